@@ -1,0 +1,290 @@
+"""Scheduler: spends a token budget per step over running, then waiting requests.
+
+There are no prefill/decode phases: each request's ``num_computed_tokens`` catches up with
+its ``num_tokens`` a chunk at a time (chunked prefill falls out of the budget), and prefill
+and decode tokens share one forward pass. When blocks run out, the worst running request
+(by policy key: priority with aging, then latest arrival) is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import time
+
+from swiftserve.core.block_manager import BlockManager
+from swiftserve.core.messages import (
+    EngineCoreOutput,
+    NewRequestData,
+    RequestTimes,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from swiftserve.core.request import Request, RequestStatus
+from swiftserve.core.request_queue import PriorityQueue, make_queue
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests the model computes."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+        aging_interval_s: float = 5.0,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.policy = policy
+        self.waiting = make_queue(policy, aging_interval_s)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()
+        self._new_ids: set[str] = set()
+
+    # ---- admission and removal -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it could never fit in the KV pool."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        total = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {self.bm.blocks_needed(total)} KV blocks "
+                f"for {total} tokens but the pool has {self.bm.num_blocks}; raise num_kv_blocks "
+                "or kv_cache_memory, or lower max_tokens"
+            )
+        self.requests[request.request_id] = request
+        self._new_ids.add(request.request_id)
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests (abort, stop string, error) wherever they are; frees their blocks."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.set_status(status)
+        request.finished_time = time.monotonic()
+        self.bm.free(request)
+        del self.requests[request.request_id]
+        self._new_ids.discard(request.request_id)
+        self._finished_ids.add(request.request_id)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def _key(self, request: Request) -> tuple[float, float]:
+        """Smaller runs first; the worst running request is the preemption victim."""
+        if isinstance(self.waiting, PriorityQueue):
+            return self.waiting.sort_key(request)
+        return (request.arrival_time, 0.0)
+
+    def _preempt(self, victim: Request, scheduled: dict[str, int]) -> int:
+        """Free the victim's blocks and requeue it; returns the budget it gives back."""
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.set_status(RequestStatus.PREEMPTED)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(victim)
+        return scheduled.pop(victim.request_id, 0)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then waiting ones."""
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+        self.running.sort(key=self._key)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                index += 1
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget, preempted)
+        return self._build_output(scheduled, preempted)
+
+    def _admit_waiting(self, scheduled: dict[str, int], budget: int, preempted: list[str]) -> int:
+        now = time.monotonic()
+        while len(self.waiting) and budget > 0:
+            request = self.waiting.peek()
+            if len(self.running) >= self.max_num_seqs:
+                if not self._preempt_for(request, scheduled, preempted):
+                    break
+                budget = self.max_num_batched_tokens - sum(scheduled.values())
+                continue
+            computed = self.bm.get_computed_blocks(request)
+            num_computed = len(computed) * self.bm.block_size
+            num_new = request.num_tokens - num_computed
+            if not self.chunked and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.bm.allocate_slots(request, num_new, computed):
+                if not self._preempt_for(request, scheduled, preempted):
+                    break
+                budget = self.max_num_batched_tokens - sum(scheduled.values())
+                continue
+            self.waiting.pop()
+            self.bm.prefix_queries += request.num_tokens
+            self.bm.prefix_hits += num_computed
+            request.num_computed_tokens = num_computed
+            request.set_status(RequestStatus.RUNNING)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _preempt_for(
+        self, request: Request, scheduled: dict[str, int], preempted: list[str]
+    ) -> bool:
+        """Priority policy: make room for ``request`` by preempting a worse running one."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = self.running[-1]
+        if self._key(victim) <= self._key(request):
+            return False
+        self._preempt(victim, scheduled)
+        preempted.append(victim.request_id)
+        return True
+
+    def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
+        items: list[ScheduledRequest] = []
+        new: list[NewRequestData] = []
+        for request in self.running:
+            num_new = scheduled.get(request.request_id)
+            if num_new is None:
+                continue
+            start = request.num_computed_tokens
+            if request.request_id in self._new_ids:
+                self._new_ids.discard(request.request_id)
+                new.append(
+                    NewRequestData(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        list(request.output_token_ids),
+                        request.eos_token_ids,
+                    )
+                )
+            items.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids(start, start + num_new),
+                    start_pos=start,
+                    block_ids=list(self.bm.block_table(request.request_id)),
+                    sample=start + num_new == request.num_tokens,
+                    prompt_logprob_start=self._prompt_logprob_start(request, start),
+                )
+            )
+        finished = frozenset(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(items, new, finished, sum(scheduled.values()), tuple(preempted))
+
+    @staticmethod
+    def _prompt_logprob_start(request: Request, start: int) -> int | None:
+        """Prompt logprobs are reported once, even if a preempted request recomputes them."""
+        if request.sampling_params.prompt_logprobs is None or request.num_output_tokens:
+            return None
+        return max(start, request.prompt_logprob_pos)
+
+    # ---- results -------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Advance requests by a finished step; finish those that stopped."""
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for item in sched.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted in between
+            request.num_computed_tokens += len(item.token_ids)
+            if item.prompt_logprob_start is not None:
+                request.prompt_logprob_pos = request.num_computed_tokens
+            self.bm.cache_full_blocks(request)
+            new_tokens: list[int] = []
+            status: RequestStatus | None = None
+            token = result.sampled_token_ids.get(item.request_id) if item.sample else None
+            if token is not None:
+                new_tokens.append(token)
+                request.output_token_ids.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                status = self._check_stop(request, token)
+            prompt_lps = result.prompt_logprobs.get(item.request_id)
+            if not new_tokens and prompt_lps is None:
+                continue
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            logprob = result.logprobs.get(item.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=new_tokens,
+                    new_logprobs=[logprob] if logprob is not None else [],
+                    prompt_logprobs=prompt_lps,
+                    finish_reason=status.finish_reason if status is not None else None,
+                    stop_reason=request.stop_reason,
+                    times=self.times(request),
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens > params.min_tokens or params.min_tokens == 0:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def times(request: Request) -> RequestTimes:
+        return RequestTimes(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions,
+        )
+
+    # ---- introspection -------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or bool(len(self.waiting))

@@ -1,0 +1,1 @@
+"""The engine: EngineCore (schedule + execute), output processing, and the offline LLM API."""

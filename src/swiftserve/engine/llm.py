@@ -1,0 +1,136 @@
+"""LLM: the offline API (vLLM's names): ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from swiftserve.config import EngineConfig
+from swiftserve.engine.core import EngineCore, EngineCoreRequest
+from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, Prompt, normalize_prompts
+from swiftserve.engine.output_processor import OutputProcessor
+from swiftserve.engine.tokenizer import load_tokenizer
+from swiftserve.outputs import RequestOutput
+from swiftserve.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+def child_seed(seed: int | None, index: int, n: int) -> int | None:
+    """Distinct, reproducible seeds for the n sequences of one seeded request."""
+    if seed is None or n == 1:
+        return seed
+    return (seed * 1_000_003 + index * 7_919 + 1) % (2**63)
+
+
+class LLM:
+    """Generate text offline from a Hugging Face checkpoint directory.
+
+    Every keyword is an ``EngineConfig`` option; unknown names raise ``ValueError``.
+    Without ``model`` the built-in demo model is used.
+    """
+
+    def __init__(self, model: str | None = None, *, progress: bool = True, **options: Any):
+        from swiftserve.demo import resolve_model
+
+        self.config = EngineConfig(model=model, **options)
+        path = resolve_model(model)
+        self.model_path = Path(path)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or path)
+        self.engine = EngineCore(self.config, path, progress=progress)
+        self.max_model_len = self.engine.max_model_len
+        self.inputs = InputProcessor(self.tokenizer, self.engine.model_config.vocab_size, self.max_model_len)
+        self.eos_token_ids = self.engine.model_config.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order."""
+        items = normalize_prompts(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(items), "sampling_params")
+        prios = _per_prompt(list(priority) if priority is not None else 0, len(items), "priority")
+        # Validate everything before queueing anything: all-or-nothing.
+        processed = [self.inputs.process(p, add_special_tokens=add_special_tokens) for p in items]
+        max_tokens = [self.inputs.max_tokens(len(p.token_ids), sp) for p, sp in zip(processed, params, strict=True)]
+        request_ids = [str(next(self._ids)) for _ in items]
+        for rid, proc, sp, prio, mt in zip(request_ids, processed, params, prios, max_tokens, strict=True):
+            self._add(rid, proc.prompt, proc.token_ids, sp, prio, mt)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one or more conversations and generate."""
+        if not messages:
+            raise InvalidRequestError("messages: must not be empty", "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            if not conv:
+                raise InvalidRequestError("messages: must not be empty", "messages")
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompts.append(text)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+
+    def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
+             priority: int, max_tokens: int) -> None:
+        children = self.processor.add_request(request_id, prompt, token_ids, params)
+        for index, child_id in enumerate(children):
+            child_params = params if params.n == 1 else params.replace(
+                n=1, seed=child_seed(params.seed, index, params.n)
+            )
+            try:
+                self.engine.add_request(
+                    EngineCoreRequest(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, priority)
+                )
+            except ValueError:
+                self.engine.abort_requests(children[:index])
+                self.processor.pop(request_id)
+                raise
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while pending and self.engine.has_unfinished():
+                touched, stopped = self.processor.process(self.engine.step())
+                if stopped:
+                    self.engine.abort_requests(stopped, stopped=True)
+                for state in touched:
+                    if state.finished and state.request_id in pending:
+                        done[state.request_id] = self.processor.to_request_output(state)
+                        self.processor.pop(state.request_id)
+                        pending.discard(state.request_id)
+                        bar.update(1)
+        if pending:
+            raise RuntimeError(f"engine stopped with unfinished requests: {sorted(pending)}")
+        return [done[rid] for rid in request_ids]
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, list | tuple):
+        if len(value) != count:
+            raise InvalidRequestError(f"{name}: got {len(value)} values for {count} prompts", name)
+        return list(value)
+    return [value] * count

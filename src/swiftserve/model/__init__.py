@@ -1,0 +1,1 @@
+"""Model code: Llama-family modules, paged attention, weight loading (torch lives here)."""

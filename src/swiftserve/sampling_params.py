@@ -1,0 +1,111 @@
+"""SamplingParams: how to pick tokens and when to stop (vLLM's names and semantics)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from swiftserve._options import check_finite, check_range, reject_unknown_options
+
+MAX_LOGPROBS = 20
+
+
+@reject_unknown_options
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping options.
+
+    ``temperature == 0`` means greedy. ``top_k == -1`` disables top-k. ``max_tokens=None``
+    means "up to the model's context length". Stop strings are matched on the detokenized
+    text and never leak partially into the output.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise convenience forms (a single stop string, lists) into tuples.
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        own = "SamplingParams"
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                check_finite(own, f.name, value)
+        _check_int(own, "n", self.n, 1)
+        check_range(own, "temperature", self.temperature, 0.0)
+        check_range(own, "top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (
+            self.top_k < 1 and self.top_k != -1
+        ):
+            raise ValueError(f"{own}.top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        check_range(own, "min_p", self.min_p, 0.0, 1.0)
+        check_range(own, "presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_range(own, "frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range(own, "repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
+        if self.max_tokens is not None:
+            _check_int(own, "max_tokens", self.max_tokens, 1)
+        _check_int(own, "min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"{own}.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(own, name, value, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            _check_int(own, "seed", self.seed, 0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"{own}.stop entries must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int(own, "stop_token_ids", t, 0)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any repetition/presence/frequency penalty is active."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def replace(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _check_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{owner}.{name} must be {rng}, got {value!r}")

@@ -1,0 +1,1 @@
+"""Model execution: the runner (batches, KV cache, buffers) and the sampler."""
