@@ -42,6 +42,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
+        # Counted by the scheduler on admission (a lookup may be retried while blocked).
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
 
@@ -90,8 +91,6 @@ class BlockManager:
                 break  # a hash collision: never serve another prefix's KV
             hits.append(block_id)
             parent = request.block_hashes[i]
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits
 
     def cache_full_blocks(self, request: Request) -> None:
