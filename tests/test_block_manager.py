@@ -37,8 +37,8 @@ def test_allocate_and_free_returns_every_block() -> None:
 
 def test_prefix_hit_shares_blocks_and_counts_refs() -> None:
     bm = BlockManager(16, 4)
-    a = make_request("a", list(range(12)) + [100])
-    b = make_request("b", list(range(12)) + [200])
+    a = make_request("a", [*list(range(12)), 100])
+    b = make_request("b", [*list(range(12)), 200])
     assert admit(bm, a) == 0
     assert admit(bm, b) == 12  # three full shared blocks
     assert bm.block_table("a")[:3] == bm.block_table("b")[:3]

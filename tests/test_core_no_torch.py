@@ -7,7 +7,8 @@ import sys
 def test_core_imports_no_torch() -> None:
     code = (
         "import sys\n"
-        "import swiftserve.core.scheduler, swiftserve.core.block_manager, swiftserve.core.request_queue\n"
+        "import swiftserve.core.scheduler, swiftserve.core.block_manager\n"
+        "import swiftserve.core.request_queue\n"
         "import swiftserve.sampling_params, swiftserve.config\n"
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
         "print(bad)\n"

@@ -13,18 +13,45 @@ from swiftserve.sampling_params import SamplingParams
 EOS = 99
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
-                   policy: str = "fcfs", chunked: bool = True, max_len: int = 256) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 32,
+    max_seqs: int = 8,
+    policy: str = "fcfs",
+    chunked: bool = True,
+    max_len: int = 256,
+) -> Scheduler:
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                     enable_chunked_prefill=chunked, policy=policy, aging_interval_s=1000.0)
+    return Scheduler(
+        bm,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+        aging_interval_s=1000.0,
+    )
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0,
-                 arrival: float = 0.0, first_token: int = 1) -> Request:
+def make_request(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    priority: int = 0,
+    arrival: float = 0.0,
+    first_token: int = 1,
+) -> Request:
     prompt = [first_token + (i % 7) for i in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=(EOS,),
-                   priority=priority, arrival_time=arrival, max_tokens=max_tokens)
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens),
+        eos_token_ids=(EOS,),
+        priority=priority,
+        arrival_time=arrival,
+        max_tokens=max_tokens,
+    )
 
 
 def fake_run(sched: SchedulerOutput, token: int = 5) -> RunnerOutput:
@@ -67,7 +94,7 @@ def test_chunked_prefill_splits_long_prompt_and_mixes_with_decode() -> None:
     second = s.schedule()
     sizes = {i.request_id: len(i.token_ids) for i in second.scheduled}
     assert sizes == {"short": 1, "long": 6}  # decode token + prefill chunk in one step
-    assert not [i for i in second.scheduled if i.request_id == "long"][0].sample
+    assert not next(i for i in second.scheduled if i.request_id == "long").sample
 
 
 def test_no_chunking_waits_for_whole_prompt() -> None:
@@ -178,6 +205,8 @@ def test_prefix_cache_hit_skips_computed_tokens() -> None:
 def test_many_requests_tiny_pool_no_livelock() -> None:
     s = make_scheduler(num_blocks=8, block_size=2, budget=5, max_seqs=4, policy="priority")
     for i in range(20):
-        s.add_request(make_request(str(i), 3 + i % 5, max_tokens=6, priority=i % 3, arrival=i * 0.01))
+        s.add_request(
+            make_request(str(i), 3 + i % 5, max_tokens=6, priority=i % 3, arrival=i * 0.01)
+        )
     run_to_end(s, max_steps=5000)
     assert s.bm.num_free_blocks == 8

@@ -34,7 +34,7 @@ def reject_unknown_options(cls: type[T]) -> type[T]:
             )
         original(self, *args, **kwargs)
 
-    cls.__init__ = __init__  # type: ignore[misc]
+    cls.__init__ = __init__  # type: ignore[method-assign,misc]
     return cls
 
 

@@ -21,18 +21,49 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 PRESETS: dict[str, dict[str, Any]] = {
-    "demo": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=4096, max_position_embeddings=2048,
-                 tie_word_embeddings=True),
-    "smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                        num_attention_heads=9, num_key_value_heads=3, vocab_size=8192,
-                        max_position_embeddings=2048, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=512),
+    "demo": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    "smollm-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
 }
 DEMO_VERSION = "demo-llama-v1"
-_CORPUS_FILES = ("argparse.py", "ast.py", "collections/__init__.py", "dataclasses.py", "inspect.py",
-                 "json/decoder.py", "logging/__init__.py", "pathlib.py", "re/_parser.py", "typing.py")
+_CORPUS_FILES = (
+    "argparse.py",
+    "ast.py",
+    "collections/__init__.py",
+    "dataclasses.py",
+    "inspect.py",
+    "json/decoder.py",
+    "logging/__init__.py",
+    "pathlib.py",
+    "re/_parser.py",
+    "typing.py",
+)
 
 
 def _corpus() -> list[str]:
@@ -41,7 +72,9 @@ def _corpus() -> list[str]:
     for name in _CORPUS_FILES:
         file = root / name
         if file.is_file():
-            lines.extend(file.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True))
+            lines.extend(
+                file.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+            )
     return lines or ["def f(x):\n    return x\n"]
 
 
@@ -69,17 +102,27 @@ def build_tokenizer(vocab_size: int) -> Any:
     )
 
 
-def write_random_checkpoint(out: str | Path, *, preset: str = "tiny", architecture: str = "llama",
-                            dtype: str = "float32", seed: int = 0, max_shard_size: str | None = None,
-                            **overrides: Any) -> Path:
+def write_random_checkpoint(
+    out: str | Path,
+    *,
+    preset: str = "tiny",
+    architecture: str = "llama",
+    dtype: str = "float32",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
     """Save a seeded random model + tokenizer to ``out`` (config.json, safetensors, tokenizer)."""
     import torch
     import transformers
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "mistral": transformers.MistralConfig}[architecture]
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[architecture]
     params = {**PRESETS[preset], **overrides}
     tokenizer = build_tokenizer(params["vocab_size"])
     eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])

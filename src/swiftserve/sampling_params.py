@@ -57,8 +57,10 @@ class SamplingParams:
         _check_int(own, "n", self.n, 1)
         check_range(own, "temperature", self.temperature, 0.0)
         check_range(own, "top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (
-            self.top_k < 1 and self.top_k != -1
+        if (
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
+            or (self.top_k < 1 and self.top_k != -1)
         ):
             raise ValueError(f"{own}.top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         check_range(own, "min_p", self.min_p, 0.0, 1.0)
@@ -70,7 +72,8 @@ class SamplingParams:
         _check_int(own, "min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"{own}.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+                f"{own}.min_tokens ({self.min_tokens}) must not exceed "
+                f"max_tokens ({self.max_tokens})"
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

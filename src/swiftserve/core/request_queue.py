@@ -80,7 +80,10 @@ class PriorityQueue:
         self._size = 0
 
     def sort_key(self, request: Request) -> tuple[float, float]:
-        return (request.priority + request.arrival_time / self.aging_interval_s, request.arrival_time)
+        return (
+            request.priority + request.arrival_time / self.aging_interval_s,
+            request.arrival_time,
+        )
 
     def add(self, request: Request) -> None:
         key = self.sort_key(request)
@@ -108,7 +111,9 @@ class PriorityQueue:
         return request
 
     def remove(self, request: Request) -> None:
-        if not any(entry[3] is request for entry in self._heap if id(entry[3]) not in self._removed):
+        if not any(
+            entry[3] is request for entry in self._heap if id(entry[3]) not in self._removed
+        ):
             raise ValueError(f"{request.request_id} is not queued")
         self._removed.add(id(request))
         self._size -= 1

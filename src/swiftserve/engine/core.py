@@ -52,8 +52,9 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return config.max_model_len
 
 
-def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                  max_model_len: int) -> int:
+def num_kv_blocks(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
     """Pool size from num_kv_blocks, else kv_cache_memory bytes (capped at what can be used)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -64,8 +65,10 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     if memory is None:
         blocks = min(blocks, useful)
     if blocks < 1:
-        raise ValueError(f"EngineConfig.kv_cache_memory ({memory}) is smaller than one KV block "
-                         f"({block_bytes} bytes)")
+        raise ValueError(
+            f"EngineConfig.kv_cache_memory ({memory}) is smaller than one KV block "
+            f"({block_bytes} bytes)"
+        )
     return int(blocks)
 
 

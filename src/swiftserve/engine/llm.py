@@ -43,7 +43,9 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer or path)
         self.engine = EngineCore(self.config, path, progress=progress)
         self.max_model_len = self.engine.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, self.engine.model_config.vocab_size, self.max_model_len)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.engine.model_config.vocab_size, self.max_model_len
+        )
         self.eos_token_ids = self.engine.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -68,9 +70,14 @@ class LLM:
         prios = _per_prompt(list(priority) if priority is not None else 0, len(items), "priority")
         # Validate everything before queueing anything: all-or-nothing.
         processed = [self.inputs.process(p, add_special_tokens=add_special_tokens) for p in items]
-        max_tokens = [self.inputs.max_tokens(len(p.token_ids), sp) for p, sp in zip(processed, params, strict=True)]
+        max_tokens = [
+            self.inputs.max_tokens(len(p.token_ids), sp)
+            for p, sp in zip(processed, params, strict=True)
+        ]
         request_ids = [str(next(self._ids)) for _ in items]
-        for rid, proc, sp, prio, mt in zip(request_ids, processed, params, prios, max_tokens, strict=True):
+        for rid, proc, sp, prio, mt in zip(
+            request_ids, processed, params, prios, max_tokens, strict=True
+        ):
             self._add(rid, proc.prompt, proc.token_ids, sp, prio, mt)
         return self._run(request_ids, use_tqdm)
 
@@ -89,20 +96,33 @@ class LLM:
         for conv in conversations:
             if not conv:
                 raise InvalidRequestError("messages: must not be empty", "messages")
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             prompts.append(text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
 
-    def _add(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
-             priority: int, max_tokens: int) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        max_tokens: int,
+    ) -> None:
         children = self.processor.add_request(request_id, prompt, token_ids, params)
         for index, child_id in enumerate(children):
-            child_params = params if params.n == 1 else params.replace(
-                n=1, seed=child_seed(params.seed, index, params.n)
+            child_params = (
+                params
+                if params.n == 1
+                else params.replace(n=1, seed=child_seed(params.seed, index, params.n))
             )
             try:
                 self.engine.add_request(
-                    EngineCoreRequest(child_id, token_ids, child_params, max_tokens, self.eos_token_ids, priority)
+                    EngineCoreRequest(
+                        child_id, token_ids, child_params, max_tokens, self.eos_token_ids, priority
+                    )
                 )
             except ValueError:
                 self.engine.abort_requests(children[:index])
@@ -112,7 +132,9 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(
+            total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm
+        ) as bar:
             while pending and self.engine.has_unfinished():
                 touched, stopped = self.processor.process(self.engine.step())
                 if stopped:

@@ -64,20 +64,29 @@ class OutputProcessor:
         self._parent_of: dict[str, str] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
     ) -> list[str]:
         """Register a request; returns the child ids to submit to the core."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = child_request_ids(request_id, params.n)
         sequences = {
-            cid: _Sequence(i, IncrementalDetokenizer(self._decode, prompt_token_ids, params),
-                           logprobs=[] if params.logprobs is not None else None,
-                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+            cid: _Sequence(
+                i,
+                IncrementalDetokenizer(self._decode, prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
             for i, cid in enumerate(children)
         }
-        plp = [None] if params.prompt_logprobs is not None else None
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences, plp)
+        plp: list[PositionLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, sequences, plp
+        )
         for cid in children:
             self._parent_of[cid] = request_id
         return children
@@ -92,12 +101,18 @@ class OutputProcessor:
                 continue
             state = self.requests[parent_id]
             seq = state.sequences[out.request_id]
-            if out.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
+            if (
+                out.prompt_logprobs is not None
+                and state.prompt_logprobs is not None
+                and seq.index == 0
+            ):
                 state.prompt_logprobs.extend(self._logprob_dicts(out.prompt_logprobs))
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None and out.new_logprobs:
                 seq.logprobs.extend(self._logprob_dicts(out.new_logprobs))
-                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(e[1] for e in out.new_logprobs)
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
+                    e[1] for e in out.new_logprobs
+                )
             stop = seq.detok.update(out.new_token_ids)
             if stop is not None and out.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
@@ -112,7 +127,11 @@ class OutputProcessor:
                 self._parent_of.pop(out.request_id, None)
             t = out.times
             state.metrics = RequestMetrics(
-                t.arrival_time, t.first_scheduled_time, t.first_token_time, t.finished_time, t.num_preemptions
+                t.arrival_time,
+                t.first_scheduled_time,
+                t.first_token_time,
+                t.finished_time,
+                t.num_preemptions,
             )
             touched[parent_id] = state
         return list(touched.values()), to_abort

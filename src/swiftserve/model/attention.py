@@ -62,7 +62,9 @@ def paged_attention(
     return out
 
 
-def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
     assert meta.decode_slots is not None and meta.decode_mask is not None
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_flat.shape[1]

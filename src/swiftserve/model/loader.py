@@ -27,7 +27,7 @@ _FUSED = {
 
 
 def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
-    """"auto" takes the checkpoint's dtype (float32 when it names none)."""
+    """ "auto" takes the checkpoint's dtype (float32 when it names none)."""
     if name == "auto":
         name = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
     if name not in DTYPES:
@@ -77,8 +77,9 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, tuple[int, int] | None] |
     return name, None
 
 
-def load_model(path: str | Path, dtype: str = "auto", max_positions: int | None = None,
-               progress: bool = True) -> LlamaForCausalLM:
+def load_model(
+    path: str | Path, dtype: str = "auto", max_positions: int | None = None, progress: bool = True
+) -> LlamaForCausalLM:
     """Build the model on the meta device, allocate it, and fill it from the checkpoint."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)

@@ -33,8 +33,15 @@ class _Batch:
 class ModelRunner:
     """Owns the model, the KV cache tensors and the per-request sampling state."""
 
-    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
-                 max_num_batched_tokens: int, seed: int = 0):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        seed: int = 0,
+    ):
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -97,7 +104,9 @@ class ModelRunner:
             if s.prompt_logprob_start is not None:
                 prompt_rows.append(self._prompt_rows(s, row))
             row += n
-        meta = AttentionMetadata(self._slots_t[:row], num_decode, decode_slots, decode_mask, segments)
+        meta = AttentionMetadata(
+            self._slots_t[:row], num_decode, decode_slots, decode_mask, segments
+        )
         return _Batch(row, meta, order, sample_rows, prompt_rows)
 
     def _prepare_decode(self, decode: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +148,11 @@ class ModelRunner:
         start = max(s.start_pos, s.prompt_logprob_start or 0)
         stop = min(s.start_pos + len(s.token_ids), len(prompt) - 1)
         positions = range(start, stop)
-        return s.request_id, [row + p - s.start_pos for p in positions], [prompt[p + 1] for p in positions]
+        return (
+            s.request_id,
+            [row + p - s.start_pos for p in positions],
+            [prompt[p + 1] for p in positions],
+        )
 
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -162,7 +175,9 @@ class ModelRunner:
         if num_sample:
             states = [self.states[rid] for _, rid in batch.sample_rows]
             tokens, entries = self.sampler(logits[:num_sample], states)
-            for (_, rid), token, entry, state in zip(batch.sample_rows, tokens, entries, states, strict=True):
+            for (_, rid), token, entry, state in zip(
+                batch.sample_rows, tokens, entries, states, strict=True
+            ):
                 state.output_token_ids.append(token)
                 result.sampled_token_ids[rid] = token
                 if entry is not None:

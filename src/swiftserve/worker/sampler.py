@@ -29,7 +29,9 @@ class SamplingState:
     generator: torch.Generator | None = None
 
 
-def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[LogprobEntry]:
+def logprob_entries(
+    logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]
+) -> list[LogprobEntry]:
     """(token, logprob, rank, top-N) for each row of a [N, V] logprob matrix."""
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     chosen = logprobs.gather(1, ids[:, None]).squeeze(1)
@@ -103,13 +105,17 @@ class Sampler:
                 continue
             counts = torch.zeros(vocab)
             if s.output_token_ids:
-                counts.index_add_(0, torch.tensor(s.output_token_ids), torch.ones(len(s.output_token_ids)))
+                counts.index_add_(
+                    0, torch.tensor(s.output_token_ids), torch.ones(len(s.output_token_ids))
+                )
             line = logits[row]
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
                 if s.prompt_token_ids:
                     seen[torch.tensor(s.prompt_token_ids)] = True
-                penalized = torch.where(line > 0, line / p.repetition_penalty, line * p.repetition_penalty)
+                penalized = torch.where(
+                    line > 0, line / p.repetition_penalty, line * p.repetition_penalty
+                )
                 line = torch.where(seen, penalized, line)
             line = line - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
             logits[row] = line
@@ -127,7 +133,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(states) if s.generator is None]
         if unseeded:
-            shared = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            shared = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+                generator=self.generator
+            )
             noise[unseeded] = shared
         for i, s in enumerate(states):
             if s.generator is not None:
@@ -148,7 +156,9 @@ def filter_logits(
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ks = torch.tensor([vocab if k == -1 else k for k in top_k])
-    sorted_logits = sorted_logits.masked_fill(torch.arange(vocab)[None, :] >= ks[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(
+        torch.arange(vocab)[None, :] >= ks[:, None], float("-inf")
+    )
     if any(p < 1.0 for p in top_p):
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
