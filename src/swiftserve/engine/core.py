@@ -20,6 +20,7 @@ from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.scheduler import Scheduler
 from swiftserve.model.config import ModelConfig
 from swiftserve.model.loader import load_model
+from swiftserve.model.packed_linear import pack_linears
 from swiftserve.sampling_params import SamplingParams
 from swiftserve.worker.model_runner import ModelRunner
 
@@ -82,7 +83,9 @@ class EngineCore:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         model = load_model(model_dir, config.dtype, self.max_model_len, progress=progress)
-        self.dtype = model.lm_head.weight.dtype
+        self.dtype = model.dtype
+        packed = pack_linears(model)
+        logger.info("prepacked %d linear layers", packed)
         blocks = num_kv_blocks(config, self.model_config, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

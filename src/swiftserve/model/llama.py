@@ -106,6 +106,10 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -46,8 +46,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.window = cfg.sliding_window
-        dtype = model.lm_head.weight.dtype
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = model.dtype
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # see model/attention.py
         # zeros, not empty: padded gathers read unused slots, which must hold finite values.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
@@ -85,10 +85,10 @@ class ModelRunner:
         order = decode + prefill
         sample_rows: list[tuple[int, str]] = []
         prompt_rows: list[tuple[str, list[int], list[int]]] = []
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         num_decode = len(decode)
         if decode:
-            decode_slots, decode_mask = self._prepare_decode(decode)
+            decode_blocks, decode_mask = self._prepare_decode(decode)
             sample_rows = [(i, s.request_id) for i, s in enumerate(decode) if s.sample]
         segments: list[PrefillSegment] = []
         row = num_decode
@@ -105,7 +105,7 @@ class ModelRunner:
                 prompt_rows.append(self._prompt_rows(s, row))
             row += n
         meta = AttentionMetadata(
-            self._slots_t[:row], num_decode, decode_slots, decode_mask, segments
+            self._slots_t[:row], num_decode, decode_blocks, decode_mask, segments
         )
         return _Batch(row, meta, order, sample_rows, prompt_rows)
 
@@ -120,26 +120,28 @@ class ModelRunner:
         for i, s in enumerate(decode):
             blocks = s.block_ids[:num_blocks]
             table[i, : len(blocks)] = blocks
-        ctx = np.arange(length, dtype=np.int64)
-        slots = table[:, ctx // self.block_size] * self.block_size + ctx % self.block_size
-        self._slots[:batch] = slots[np.arange(batch), positions]
+        bs = self.block_size
+        self._slots[:batch] = table[np.arange(batch), positions // bs] * bs + positions % bs
+        ctx = np.arange(num_blocks * bs, dtype=np.int64)
         mask = ctx[None, :] <= positions[:, None]
         if self.window is not None:
             mask &= ctx[None, :] > positions[:, None] - self.window
-        return torch.from_numpy(slots.reshape(-1)), torch.from_numpy(mask).view(batch, 1, 1, length)
+        mask_t = torch.from_numpy(mask).view(1, batch, 1, num_blocks * bs)
+        return torch.from_numpy(table.reshape(-1)), mask_t
 
     def _segment(self, s: ScheduledRequest, row: int, positions: np.ndarray) -> PrefillSegment:
         n = len(positions)
         end = s.start_pos + n
         fresh = s.start_pos == 0 and (self.window is None or n <= self.window)
         if fresh:
-            return PrefillSegment(row, row + n, None, None)
+            return PrefillSegment(row, row + n, None, n, None)
         ctx = np.arange(end, dtype=np.int64)
         mask = ctx[None, :] <= positions[:, None]
         if self.window is not None:
             mask &= ctx[None, :] > positions[:, None] - self.window
-        ctx_slots = torch.from_numpy(self._slots_for(s.block_ids, ctx))
-        return PrefillSegment(row, row + n, ctx_slots, torch.from_numpy(mask).view(1, 1, n, end))
+        blocks = torch.tensor(s.block_ids[: -(-end // self.block_size)], dtype=torch.long)
+        mask_t = torch.from_numpy(mask).view(1, 1, n, end)
+        return PrefillSegment(row, row + n, blocks, end, mask_t)
 
     def _prompt_rows(self, s: ScheduledRequest, row: int) -> tuple[str, list[int], list[int]]:
         """Rows whose logits score the next prompt token (positions up to prompt_len - 2)."""

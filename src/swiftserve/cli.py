@@ -1,0 +1,87 @@
+"""``swiftserve`` command line: generate | bench | random-model (and serve)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from swiftserve.cli_args import add_engine_args, engine_kwargs
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from swiftserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **{k: v for k, v in engine_kwargs(args).items() if k != "model"})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    for out in llm.generate(args.prompt, params, use_tqdm=False):
+        print(f"--- prompt: {out.prompt!r}")
+        print(out.outputs[0].text)
+        print(f"--- finish_reason: {out.outputs[0].finish_reason}, tokens: {len(out.outputs[0].token_ids)}")
+    return 0
+
+
+def _random_model(args: argparse.Namespace) -> int:
+    from swiftserve.demo import write_random_checkpoint
+
+    path = write_random_checkpoint(args.out, preset=args.preset, architecture=args.arch,
+                                   dtype=args.model_dtype, seed=args.model_seed)
+    print(f"wrote {args.preset} ({args.arch}, {args.model_dtype}) to {path}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from swiftserve.bench import throughput
+
+    engine = {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "dtype")}
+    throughput.main(args, engine)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swiftserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    rnd = sub.add_parser("random-model", help="write a seeded random checkpoint (HF layout)")
+    rnd.add_argument("out")
+    rnd.add_argument("--preset", default="smollm-135m")
+    rnd.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
+    rnd.add_argument("--model-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    rnd.add_argument("--model-seed", type=int, default=0)
+    rnd.set_defaults(func=_random_model)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput, ours or transformers")
+    add_engine_args(tp)
+    from swiftserve.bench.throughput import add_args
+
+    add_args(tp)
+    tp.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "dtype", None) is None and hasattr(args, "dtype"):
+        args.dtype = "auto"
+    try:
+        return int(args.func(args))
+    except ValueError as e:  # user errors: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
