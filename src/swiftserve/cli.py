@@ -12,20 +12,31 @@ def _generate(args: argparse.Namespace) -> int:
     from swiftserve import LLM, SamplingParams
 
     llm = LLM(args.model, **{k: v for k, v in engine_kwargs(args).items() if k != "model"})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
     for out in llm.generate(args.prompt, params, use_tqdm=False):
         print(f"--- prompt: {out.prompt!r}")
         print(out.outputs[0].text)
-        print(f"--- finish_reason: {out.outputs[0].finish_reason}, tokens: {len(out.outputs[0].token_ids)}")
+        done = out.outputs[0]
+        print(f"--- finish_reason: {done.finish_reason}, tokens: {len(done.token_ids)}")
     return 0
 
 
 def _random_model(args: argparse.Namespace) -> int:
     from swiftserve.demo import write_random_checkpoint
 
-    path = write_random_checkpoint(args.out, preset=args.preset, architecture=args.arch,
-                                   dtype=args.model_dtype, seed=args.model_seed)
+    path = write_random_checkpoint(
+        args.out,
+        preset=args.preset,
+        architecture=args.arch,
+        dtype=args.model_dtype,
+        seed=args.model_seed,
+    )
     print(f"wrote {args.preset} ({args.arch}, {args.model_dtype}) to {path}")
     return 0
 
@@ -56,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("out")
     rnd.add_argument("--preset", default="smollm-135m")
     rnd.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
-    rnd.add_argument("--model-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    rnd.add_argument(
+        "--model-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16")
+    )
     rnd.add_argument("--model-seed", type=int, default=0)
     rnd.set_defaults(func=_random_model)
 

@@ -24,12 +24,16 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(16, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def run_swiftserve(model: str, prompts: list[list[int]], output_len: int, engine: dict[str, Any]) -> dict[str, Any]:
+def run_swiftserve(
+    model: str, prompts: list[list[int]], output_len: int, engine: dict[str, Any]
+) -> dict[str, Any]:
     from swiftserve import LLM, SamplingParams
 
     llm = LLM(model, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False
+    )
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - start
@@ -52,7 +56,9 @@ def run_swiftserve(model: str, prompts: list[list[int]], output_len: int, engine
     }
 
 
-def run_hf(model: str, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int) -> dict[str, Any]:
+def run_hf(
+    model: str, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,8 +71,14 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, dtype: str, ba
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                              min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return int((out.shape[1] - width) * len(batch))
 
     run_batch([prompts[0][:8]])  # warm-up
@@ -74,7 +86,11 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, dtype: str, ba
     produced = 0
     for i in tqdm(range(0, len(prompts), batch_size), desc="transformers batches"):
         produced += run_batch(prompts[i : i + batch_size])
-    return {"elapsed_s": time.perf_counter() - start, "output_tokens": produced, "hf_batch_size": batch_size}
+    return {
+        "elapsed_s": time.perf_counter() - start,
+        "output_tokens": produced,
+        "hf_batch_size": batch_size,
+    }
 
 
 def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:

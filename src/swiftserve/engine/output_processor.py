@@ -83,7 +83,9 @@ class OutputProcessor:
             )
             for i, cid in enumerate(children)
         }
-        plp: list[PositionLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        plp: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, sequences, plp
         )

@@ -8,13 +8,15 @@ faster per layer than gathering token-major slots and transposing).
 
 Each step first writes the new tokens' K/V into their slots (for every request of the
 batch), then reads each request's context back by block. Decode queries (one token per
-request) are batched into a padded ``[B, L]`` gather with a mask; prefill chunks run one
-SDPA each.
+request) go to a fused C++ kernel (model/kernels, one pass over the blocks, no gather)
+when it could be built, else into a padded ``[B, L]`` gather with a mask and two batched
+matmuls; prefill chunks run one SDPA each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +39,21 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
     num_decode: int  # the first num_decode rows are single-token queries
-    decode_blocks: torch.Tensor | None  # [B * nb] block ids, padded with block 0
+    decode_tables: torch.Tensor | None  # [B, nb] block ids, padded with block 0
     decode_mask: torch.Tensor | None  # [1, B, 1, nb * block_size] bool, True = attend
     prefills: list[PrefillSegment]
+    decode_positions: torch.Tensor | None = None  # [B] query positions
+    window: int | None = None  # sliding window (keys within the last `window` positions)
+    kernel: Any = None  # compiled fused decode kernel (model/kernels), or None
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store new K/V [T, KVH, D] at their slots."""
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
@@ -72,19 +82,34 @@ def paged_attention(
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-    assert meta.decode_blocks is not None and meta.decode_mask is not None
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    assert meta.decode_tables is not None
     batch, num_heads, head_dim = q.shape
+    if meta.kernel is not None and meta.decode_positions is not None:
+        return meta.kernel.paged_decode(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.decode_tables,
+            meta.decode_positions,
+            head_dim**-0.5,
+            meta.window or -1,
+        )
+    assert meta.decode_mask is not None
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     length = meta.decode_mask.shape[-1]
-    keys = k_cache.index_select(1, meta.decode_blocks).view(kv_heads * batch, length, head_dim)
-    values = v_cache.index_select(1, meta.decode_blocks).view(kv_heads * batch, length, head_dim)
+    blocks = meta.decode_tables.view(-1)
+    keys = k_cache.index_select(1, blocks).view(kv_heads * batch, length, head_dim)
+    values = v_cache.index_select(1, blocks).view(kv_heads * batch, length, head_dim)
     # Query head h uses KV head h // group (transformers' repeat_kv order).
     qt = q.view(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
     scores = torch.bmm(qt, keys.transpose(1, 2)).float() * (head_dim**-0.5)
-    scores = scores.view(kv_heads, batch, group, length).masked_fill_(~meta.decode_mask, float("-inf"))
+    scores = scores.view(kv_heads, batch, group, length).masked_fill_(
+        ~meta.decode_mask, float("-inf")
+    )
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(-1, group, length)
     out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
@@ -107,7 +132,11 @@ def _prefill(
         keys = k_cache.index_select(1, seg.ctx_blocks).view(heads, -1, dim)[:, : seg.ctx_len]
         values = v_cache.index_select(1, seg.ctx_blocks).view(heads, -1, dim)[:, : seg.ctx_len]
     out = F.scaled_dot_product_attention(
-        qs, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=seg.mask,
-        is_causal=seg.mask is None, enable_gqa=True,
+        qs,
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        attn_mask=seg.mask,
+        is_causal=seg.mask is None,
+        enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)

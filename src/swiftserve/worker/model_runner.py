@@ -15,6 +15,7 @@ import torch
 
 from swiftserve.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata, PrefillSegment
+from swiftserve.model.kernels import paged_decode_kernel
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.worker.sampler import Sampler, SamplingState, logprob_entries
 
@@ -41,6 +42,7 @@ class ModelRunner:
         block_size: int,
         max_num_batched_tokens: int,
         seed: int = 0,
+        use_kernels: bool = True,
     ):
         cfg = model.config
         self.model = model
@@ -61,6 +63,7 @@ class ModelRunner:
         self._pos_t = torch.from_numpy(self._pos)
         self._slots_t = torch.from_numpy(self._slots)
         self.sampler = Sampler(seed)
+        self.kernel = paged_decode_kernel() if use_kernels else None
         self.states: dict[str, SamplingState] = {}
 
     # ---- request state -------------------------------------------------------------------
@@ -85,10 +88,10 @@ class ModelRunner:
         order = decode + prefill
         sample_rows: list[tuple[int, str]] = []
         prompt_rows: list[tuple[str, list[int], list[int]]] = []
-        decode_blocks = decode_mask = None
+        decode_tables = decode_mask = None
         num_decode = len(decode)
         if decode:
-            decode_blocks, decode_mask = self._prepare_decode(decode)
+            decode_tables, decode_mask = self._prepare_decode(decode)
             sample_rows = [(i, s.request_id) for i, s in enumerate(decode) if s.sample]
         segments: list[PrefillSegment] = []
         row = num_decode
@@ -105,11 +108,20 @@ class ModelRunner:
                 prompt_rows.append(self._prompt_rows(s, row))
             row += n
         meta = AttentionMetadata(
-            self._slots_t[:row], num_decode, decode_blocks, decode_mask, segments
+            self._slots_t[:row],
+            num_decode,
+            decode_tables,
+            decode_mask,
+            segments,
+            decode_positions=self._pos_t[:num_decode],
+            window=self.window,
+            kernel=self.kernel,
         )
         return _Batch(row, meta, order, sample_rows, prompt_rows)
 
-    def _prepare_decode(self, decode: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare_decode(
+        self, decode: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = len(decode)
         positions = np.fromiter((s.start_pos for s in decode), dtype=np.int64, count=batch)
         self._ids[:batch] = [s.token_ids[0] for s in decode]
@@ -122,12 +134,14 @@ class ModelRunner:
             table[i, : len(blocks)] = blocks
         bs = self.block_size
         self._slots[:batch] = table[np.arange(batch), positions // bs] * bs + positions % bs
+        table_t = torch.from_numpy(table)
+        if self.kernel is not None:
+            return table_t, None  # the fused kernel needs no mask
         ctx = np.arange(num_blocks * bs, dtype=np.int64)
         mask = ctx[None, :] <= positions[:, None]
         if self.window is not None:
             mask &= ctx[None, :] > positions[:, None] - self.window
-        mask_t = torch.from_numpy(mask).view(1, batch, 1, num_blocks * bs)
-        return torch.from_numpy(table.reshape(-1)), mask_t
+        return table_t, torch.from_numpy(mask).view(1, batch, 1, num_blocks * bs)
 
     def _segment(self, s: ScheduledRequest, row: int, positions: np.ndarray) -> PrefillSegment:
         n = len(positions)

@@ -1,0 +1,89 @@
+"""Paged decode attention: the fused C++ kernel and the PyTorch path agree (with windows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiftserve.model.attention import AttentionMetadata, _decode
+from swiftserve.model.kernels import paged_decode_kernel
+
+KERNEL = paged_decode_kernel()
+
+
+def make_case(dtype: torch.dtype, window: int | None, seed: int = 0):  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    batch, heads, kv_heads, dim, bs, num_blocks = 5, 6, 2, 32, 4, 64
+    k_cache = torch.randn(kv_heads, num_blocks, bs, dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    positions = torch.tensor([0, 3, 17, 30, 9])
+    nb = int(positions.max()) // bs + 1
+    tables = torch.stack([torch.randperm(num_blocks)[:nb] for _ in range(batch)])
+    q = torch.randn(batch, heads, dim, dtype=dtype)
+    ctx = torch.arange(nb * bs)
+    mask = ctx[None, :] <= positions[:, None]
+    if window is not None:
+        mask &= ctx[None, :] > positions[:, None] - window
+    meta = AttentionMetadata(
+        torch.zeros(1, dtype=torch.long),
+        batch,
+        tables,
+        mask.view(1, batch, 1, nb * bs),
+        [],
+        decode_positions=positions,
+        window=window,
+    )
+    return q, k_cache, v_cache, meta
+
+
+def reference(q, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
+    """Plain per-request softmax attention in float64."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    out = torch.empty(batch, heads, dim, dtype=torch.float64)
+    flat_k = k_cache.double().reshape(kv_heads, -1, dim)
+    flat_v = v_cache.double().reshape(kv_heads, -1, dim)
+    bs = k_cache.shape[2]
+    for b in range(batch):
+        pos = int(meta.decode_positions[b])
+        first = 0 if meta.window is None else max(0, pos - meta.window + 1)
+        slots = torch.tensor(
+            [int(meta.decode_tables[b, t // bs]) * bs + t % bs for t in range(first, pos + 1)]
+        )
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            scores = flat_k[kv, slots] @ q[b, h].double() * dim**-0.5
+            out[b, h] = torch.softmax(scores, 0) @ flat_v[kv, slots]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_torch_path_matches_reference(dtype: torch.dtype, window: int | None) -> None:
+    q, kc, vc, meta = make_case(dtype, window)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(
+        _decode(q, kc, vc, meta).double(), reference(q, kc, vc, meta), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.skipif(KERNEL is None, reason="C++ kernel could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_matches_reference(dtype: torch.dtype, window: int | None) -> None:
+    q, kc, vc, meta = make_case(dtype, window, seed=1)
+    meta.kernel = KERNEL
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        _decode(q, kc, vc, meta).double(), reference(q, kc, vc, meta), atol=tol, rtol=tol
+    )
+
+
+def test_kernel_is_built_on_this_machine() -> None:
+    """CI machines have g++ and ninja: the fast path must not silently disappear."""
+    import os
+    import shutil
+
+    if os.environ.get("SWIFTSERVE_CPU_KERNELS") == "0" or shutil.which("g++") is None:
+        pytest.skip("kernels disabled or no compiler")
+    assert KERNEL is not None
