@@ -1,4 +1,4 @@
-"""``swiftserve`` command line: generate | bench | random-model (and serve)."""
+"""``swiftserve`` command line: serve | generate | bench | random-model."""
 
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from swiftserve.server.launcher import run_server
+
+    return run_server(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swiftserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rnd.add_argument("--model-seed", type=int, default=0)
     rnd.set_defaults(func=_random_model)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    from swiftserve.server.launcher import add_server_args
+
+    add_server_args(srv)
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -1,0 +1,263 @@
+"""AsyncLLM: an asyncio front over EngineCore, which runs in a background thread.
+
+The boundary is two plain message streams: commands (add / abort) go to the engine thread
+through a thread-safe queue; lists of EngineCoreOutput come back to the event loop through
+``call_soon_threadsafe``. One output-handler task detokenizes them and feeds per-request
+asyncio queues. Tokenization runs in a thread pool so a 1 MB prompt never blocks the loop.
+If the engine thread dies, every in-flight request gets the error and ``is_dead`` turns on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from swiftserve.config import EngineConfig
+from swiftserve.core.messages import EngineCoreOutput
+from swiftserve.engine.core import EngineCore, EngineCoreRequest
+from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, Prompt, ProcessedPrompt
+from swiftserve.engine.llm import child_seed
+from swiftserve.engine.output_processor import OutputProcessor
+from swiftserve.engine.tokenizer import load_tokenizer
+from swiftserve.outputs import RequestOutput
+from swiftserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped with an error; no request can complete."""
+
+
+class RequestDeadlineError(RuntimeError):
+    """A request's deadline (queue time included) passed before it finished."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    requests: list[EngineCoreRequest]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: list[str]
+    stopped: bool = False
+
+
+class _EngineThread:
+    """Runs EngineCore.step() in a loop; takes commands, emits output batches."""
+
+    def __init__(self, core: EngineCore, emit: Callable[[list[EngineCoreOutput] | BaseException], None]):
+        self.core = core
+        self._emit = emit
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="swiftserve-engine", daemon=True)
+        self.error: BaseException | None = None
+        self.stats_lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Add):
+            for i, request in enumerate(command.requests):
+                try:
+                    self.core.add_request(request)
+                except ValueError as e:  # admission all-or-nothing for n children
+                    self.core.abort_requests([r.request_id for r in command.requests[:i]])
+                    self._emit(e)
+                    return
+        else:
+            self.core.abort_requests(command.request_ids, stopped=command.stopped)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.core.has_unfinished()
+                try:
+                    command = self._commands.get(block=block)
+                    while True:
+                        if command is None:
+                            return
+                        with self.stats_lock:
+                            self._apply(command)
+                        command = self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                if self.core.has_unfinished():
+                    with self.stats_lock:
+                        outputs = self.core.step()
+                    self._emit(outputs)
+        except BaseException as e:  # the engine is dead: tell every waiter, then stop
+            logger.exception("engine thread died")
+            self.error = e
+            self._emit(e)
+
+
+class AsyncLLM:
+    """Async generation: ``async for out in engine.generate(prompt, params, request_id)``."""
+
+    def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        self.core = EngineCore(config, model_path, progress=progress)
+        self.max_model_len = self.core.max_model_len
+        self.model_config = self.core.model_config
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.eos_token_ids = self.model_config.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        self.processor = OutputProcessor(self.tokenizer)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: _EngineThread | None = None
+        self.dead_callbacks: list[Callable[[BaseException], None]] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = _EngineThread(self.core, self._emit_threadsafe)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.stop)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def is_dead(self) -> bool:
+        return self._thread is not None and self._thread.error is not None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    def _emit_threadsafe(self, item: list[EngineCoreOutput] | BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._handle, item)
+
+    # ---- output handling (on the event loop) ---------------------------------------------
+    def _handle(self, item: list[EngineCoreOutput] | BaseException) -> None:
+        if isinstance(item, BaseException):
+            if self.is_dead:
+                error = EngineDeadError(f"engine died: {item!r}")
+                for q in self._queues.values():
+                    q.put_nowait(error)
+                for callback in self.dead_callbacks:
+                    callback(error)
+            return
+        touched, stopped = self.processor.process(item)
+        if stopped and self._thread is not None:
+            self._thread.send(_Abort(stopped, stopped=True))
+        for state in touched:
+            q = self._queues.get(state.request_id)
+            if q is not None:
+                q.put_nowait(self.processor.to_request_output(state, delta=True))
+
+    # ---- requests ------------------------------------------------------------------------
+    async def process_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """Tokenize and validate off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize_pool, lambda: self.inputs.process(prompt, add_special_tokens=add_special_tokens)
+        )
+
+    async def generate(
+        self,
+        prompt: Prompt | ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield incremental outputs (``text`` holds only the new text of each step).
+
+        ``deadline`` is an absolute time.monotonic() value; past it the request is aborted
+        and RequestDeadlineError is raised. Cancelling the consumer aborts the request.
+        """
+        if self.is_dead or self._thread is None:
+            raise EngineDeadError("engine is not running")
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.process_prompt(prompt)
+        max_tokens = self.inputs.max_tokens(len(processed.token_ids), params)
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = q
+        children = self.processor.add_request(request_id, processed.prompt, processed.token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        core_requests = [
+            EngineCoreRequest(
+                child, processed.token_ids,
+                params if params.n == 1 else params.replace(n=1, seed=child_seed(params.seed, i, params.n)),
+                max_tokens, self.eos_token_ids, priority, arrival,
+            )
+            for i, child in enumerate(children)
+        ]
+        self._thread.send(_Add(core_requests))
+        finished = False
+        try:
+            while True:
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    raise RequestDeadlineError("request deadline exceeded")
+                try:
+                    item = await asyncio.wait_for(q.get(), timeout)
+                except TimeoutError:
+                    raise RequestDeadlineError("request deadline exceeded") from None
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+            self.processor.pop(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        children = self.processor.abort(request_id)
+        if children and self._thread is not None and not self.is_dead:
+            self._thread.send(_Abort(children))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its generator finishes with finish_reason "abort"."""
+        state = self.processor.requests.get(request_id)
+        self._abort_now(request_id)
+        q = self._queues.get(request_id)
+        if state is not None and q is not None:
+            q.put_nowait(self.processor.to_request_output(state, delta=True))
+
+    def stats(self) -> dict[str, Any]:
+        """A consistent snapshot of scheduler and cache state (for /metrics)."""
+        core = self.core
+        if self._thread is None:
+            return {}
+        with self._thread.stats_lock:
+            bm = core.block_manager
+            return {
+                "num_running": core.scheduler.num_running,
+                "num_waiting": core.scheduler.num_waiting,
+                "kv_cache_usage": bm.usage,
+                "prefix_queries": bm.prefix_queries,
+                "prefix_hits": bm.prefix_hits,
+                "num_preemptions": core.scheduler.num_preemptions,
+            }

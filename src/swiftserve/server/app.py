@@ -1,0 +1,186 @@
+"""The FastAPI application: routes, strict validation (400, never 422), auth, body limits."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from swiftserve import __version__
+from swiftserve.engine.async_llm import AsyncLLM
+from swiftserve.server.errors import APIError, error_body
+from swiftserve.server.formatting import ChatFormatter, CompletionFormatter
+from swiftserve.server.metrics import ServerMetrics
+from swiftserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from swiftserve.server.serving import OpenAIServing, ServerSettings, to_api_error
+
+logger = logging.getLogger(__name__)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """Pure ASGI: API-key check (constant time) and request-body size limit, before routing."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings):
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        key = self.settings.api_key
+        if key and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            expected = f"Bearer {key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                err = APIError(401, "Invalid or missing API key.", type_="authentication_error",
+                               code="invalid_api_key")
+                return await err.response()(scope, receive, send)
+        limit = self.settings.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _too_large(limit)(scope, receive, send)
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _too_large(limit)(scope, receive, send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return APIError(413, f"Request body exceeds {limit} bytes.", code="request_too_large").response()
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """Build the app around a (not yet started) AsyncLLM."""
+    metrics = ServerMetrics()
+    serving = OpenAIServing(engine, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        await engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="swiftserve", version=__version__, lifespan=lifespan)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.add_middleware(GuardMiddleware, settings=settings)  # type: ignore[arg-type]
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return to_api_error(exc).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = not engine.is_dead and not serving.draining
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "swiftserve",
+            "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        prompts = _completion_prompts(body.prompt)
+        serving.check_limits(body, len(prompts), body.logprobs)
+        params = serving.sampling_params(lambda: body.to_sampling_params(None))
+        serving.admit()
+        processed = await serving.prepare(prompts, params)
+        return await serving.run(raw, body, processed, params, CompletionFormatter)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
+        if not body.messages:
+            raise APIError(400, "messages: must not be empty", param="messages")
+        serving.check_limits(body, 1, body.top_logprobs)
+        params = serving.sampling_params(lambda: body.to_sampling_params(None))
+        serving.admit()
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = engine.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt
+            )
+        except Exception as e:  # a template error is the request's fault
+            raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
+        processed = await serving.prepare([text], params, add_special_tokens=False)
+        return await serving.run(raw, body, processed, params, ChatFormatter)
+
+    return app
+
+
+def _completion_prompts(prompt: Any) -> list[Any]:
+    """OpenAI's prompt forms: string, list of strings, token ids, list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return list(prompt)

@@ -1,0 +1,209 @@
+"""Turning RequestOutput deltas into OpenAI response bodies and SSE chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from swiftserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from swiftserve.sampling_params import SamplingParams
+from swiftserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
+    finish_sent: bool = False
+
+
+@dataclass
+class _Delta:
+    choice: _Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs]
+    newly_finished: bool
+
+
+class _Formatter:
+    """Accumulates outputs of all prompts and choices of one HTTP request."""
+
+    id_prefix = "req"
+
+    def __init__(self, request_id: str, created: int, model: str, params: SamplingParams,
+                 metrics: ServerMetrics | None = None):
+        self.id = request_id
+        self.created = created
+        self.model = model
+        self.n = params.n
+        self.want_logprobs = params.logprobs is not None
+        self.num_top = params.logprobs or 0
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_lengths: dict[int, int] = {}
+        self.last_metrics: RequestMetrics | None = None
+        self.metrics = metrics
+        self._last_time: dict[int, float] = {}
+
+    def _update(self, index: int, out: RequestOutput) -> list[_Delta]:
+        self.prompt_lengths[index] = len(out.prompt_token_ids)
+        self.last_metrics = out.metrics or self.last_metrics
+        deltas = []
+        now = time.monotonic()
+        for comp in out.outputs:
+            ci = index * self.n + comp.index
+            ch = self.choices.setdefault(ci, _Choice(ci))
+            new_ids = comp.token_ids[len(ch.token_ids) :]
+            if new_ids:
+                last = self._last_time.get(ci)
+                if last is not None and self.metrics is not None:
+                    self.metrics.itl.observe(now - last)
+                self._last_time[ci] = now
+            new_lps = (comp.logprobs or [])[len(ch.logprobs) :]
+            ch.token_ids.extend(new_ids)
+            ch.logprobs.extend(new_lps)
+            ch.text += comp.text
+            newly = comp.finish_reason is not None and ch.finish_reason is None
+            ch.finish_reason = comp.finish_reason
+            ch.stop_reason = comp.stop_reason
+            deltas.append(_Delta(ch, comp.text, new_ids, new_lps, newly))
+        return deltas
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self._update(index, out)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_lengths.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def finish_reasons(self) -> list[str]:
+        return [c.finish_reason for c in self.choices.values() if c.finish_reason]
+
+    def usage_chunk(self) -> str:
+        return json.dumps({"id": self.id, "object": self.chunk_object, "created": self.created,
+                           "model": self.model, "choices": [], "usage": self.usage()})
+
+    chunk_object = "chunk"
+
+    def _sorted(self) -> list[_Choice]:
+        return [self.choices[i] for i in sorted(self.choices)]
+
+
+def _token_text(lp: PositionLogprobs, token_id: int) -> str:
+    entry = lp.get(token_id)
+    return (entry.decoded_token or "") if entry is not None else ""
+
+
+def _top(lp: PositionLogprobs, num_top: int) -> list[tuple[str, float]]:
+    """The top-N alternatives (by rank) as (text, logprob)."""
+    ranked = sorted((e for e in lp.values() if e.rank <= num_top), key=lambda e: e.rank)
+    return [(e.decoded_token or "", e.logprob) for e in ranked]
+
+
+class CompletionFormatter(_Formatter):
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
+
+    def _logprobs(self, token_ids: list[int], lps: list[PositionLogprobs], offset: int) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, lp in zip(token_ids, lps, strict=False):
+            text = _token_text(lp, token_id)
+            tokens.append(text)
+            token_lps.append(lp[token_id].logprob)
+            tops.append(dict(_top(lp, self.num_top)))
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chunks(self, index: int, out: RequestOutput) -> list[str]:
+        result = []
+        for d in self._update(index, out):
+            if not d.text and not d.newly_finished and not d.token_ids:
+                continue
+            start = len(d.choice.token_ids) - len(d.token_ids)
+            lp = self._logprobs(d.choice.token_ids[start:], d.logprobs, len(d.choice.text) - len(d.text))
+            choice = {"index": d.choice.index, "text": d.text, "logprobs": lp,
+                      "finish_reason": d.choice.finish_reason if d.newly_finished else None,
+                      "stop_reason": d.choice.stop_reason if d.newly_finished else None}
+            result.append(json.dumps({"id": self.id, "object": "text_completion", "created": self.created,
+                                      "model": self.model, "choices": [choice]}))
+        return result
+
+    def final(self) -> dict[str, Any]:
+        choices = [
+            {"index": c.index, "text": c.text, "logprobs": self._logprobs(c.token_ids, c.logprobs, 0),
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for c in self._sorted()
+        ]
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+
+class ChatFormatter(_Formatter):
+    id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, token_ids: list[int], lps: list[PositionLogprobs]) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for token_id, lp in zip(token_ids, lps, strict=False):
+            text = _token_text(lp, token_id)
+            content.append({
+                "token": text, "logprob": lp[token_id].logprob, "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in _top(lp, self.num_top)
+                ],
+            })
+        return {"content": content}
+
+    def chunks(self, index: int, out: RequestOutput) -> list[str]:
+        result = []
+        for d in self._update(index, out):
+            ch = d.choice
+            if not ch.started:
+                ch.started = True
+                result.append(self._chunk(ch.index, {"role": "assistant", "content": ""}, None, None))
+            if not d.text and not d.newly_finished and not d.token_ids:
+                continue
+            start = len(ch.token_ids) - len(d.token_ids)
+            lp = self._logprobs(ch.token_ids[start:], d.logprobs)
+            delta = {"content": d.text} if d.text or not d.newly_finished else {}
+            result.append(self._chunk(ch.index, delta, lp, ch.finish_reason if d.newly_finished else None))
+        return result
+
+    def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
+        return json.dumps({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        })
+
+    def final(self) -> dict[str, Any]:
+        choices = [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+             "stop_reason": c.stop_reason}
+            for c in self._sorted()
+        ]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}

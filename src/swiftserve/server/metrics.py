@@ -1,0 +1,57 @@
+"""Prometheus metrics (``swiftserve:`` prefix, names mirroring vLLM's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from swiftserve.outputs import RequestMetrics
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    """All server-side metrics in one registry (one per app, so tests can run several)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("swiftserve:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("swiftserve:num_requests_waiting", "Requests waiting to run", registry=r)
+        self.kv_usage = Gauge("swiftserve:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
+        self.prefix_queries = Gauge("swiftserve:prefix_cache_queries", "Prompt tokens looked up", registry=r)
+        self.prefix_hits = Gauge("swiftserve:prefix_cache_hits", "Prompt tokens found cached", registry=r)
+        self.preemptions = Gauge("swiftserve:num_preemptions_total", "Preemptions so far", registry=r)
+        self.ttft = Histogram("swiftserve:time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("swiftserve:inter_token_latency_seconds", "ITL", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("swiftserve:e2e_request_latency_seconds", "End to end", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("swiftserve:request_queue_time_seconds", "Queue time", buckets=_LATENCY_BUCKETS, registry=r)
+        self.success = Counter("swiftserve:request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("swiftserve:prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("swiftserve:generation_tokens", "Generated tokens", registry=r)
+        self.rejected = Counter("swiftserve:request_rejected", "Rejected requests", ["reason"], registry=r)
+
+    def observe_finished(self, metrics: RequestMetrics | None, reasons: list[str], prompt_tokens: int,
+                         completion_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        for reason in reasons:
+            self.success.labels(finished_reason=reason).inc()
+        if metrics is None:
+            return
+        if metrics.first_token_time is not None:
+            self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        if stats:
+            self.running.set(stats["num_running"])
+            self.waiting.set(stats["num_waiting"])
+            self.kv_usage.set(stats["kv_cache_usage"])
+            self.prefix_queries.set(stats["prefix_queries"])
+            self.prefix_hits.set(stats["prefix_hits"])
+            self.preemptions.set(stats["num_preemptions"])
+        return generate_latest(self.registry)

@@ -1,0 +1,106 @@
+"""OpenAI request shapes (pydantic), strict: wrong types, NaN and unknown fields are 400s."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from swiftserve.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        out: dict[str, Any] = {
+            "n": self.n,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling_kwargs())
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.sampling_kwargs())

@@ -1,0 +1,252 @@
+"""Request handling shared by /v1/completions and /v1/chat/completions.
+
+Order of checks, cheapest first: limits and sampling options (400), admission (503 with
+Retry-After, before any tokenization), tokenization off the loop, context length (400);
+only then is a 200 sent. A client that disconnects aborts its requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from swiftserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestDeadlineError
+from swiftserve.engine.inputs import InvalidRequestError, ProcessedPrompt
+from swiftserve.outputs import RequestOutput
+from swiftserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from swiftserve.server.errors import APIError, bad_request
+from swiftserve.server.metrics import ServerMetrics
+from swiftserve.server.protocol import _SamplingFields
+
+_FIELD = re.compile(r"^(?:SamplingParams\.)?(\w+)")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-level limits and identity. Every limit is a ``serve`` flag."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    max_n: int = 16
+    max_prompts: int = 64
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    max_body_bytes: int = 16 * 1024 * 1024
+    shutdown_timeout: float = 30.0
+
+
+def to_api_error(error: BaseException) -> APIError:
+    """Map engine exceptions to HTTP errors (never a traceback)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return bad_request(str(error), error.param, error.code)
+    if isinstance(error, RequestDeadlineError):
+        return APIError(408, "The request's timeout expired before it finished (queue time included).",
+                        type_="timeout_error", param="timeout", code="deadline_exceeded")
+    if isinstance(error, EngineDeadError):
+        return APIError(500, "The engine stopped with an error; this request cannot complete.",
+                        type_="server_error", code="engine_dead")
+    if isinstance(error, ValueError):
+        match = _FIELD.match(str(error))
+        return bad_request(str(error), match.group(1) if match else None)
+    return APIError(500, "Internal server error.", type_="server_error")
+
+
+@dataclass
+class Choice:
+    """Accumulated state of one returned choice."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    num_logprobs: int = 0
+    finish_reason: str | None = None
+
+
+class OpenAIServing:
+    """Validation, admission, generation and response shaping for both endpoints."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.in_flight = 0
+        self.draining = False
+
+    # ---- checks --------------------------------------------------------------------------
+    def check_limits(self, body: _SamplingFields, num_prompts: int, top_logprobs: int | None) -> None:
+        s = self.settings
+        if body.n > s.max_n:
+            raise bad_request(f"n must be <= {s.max_n}, got {body.n}", "n")
+        if num_prompts > s.max_prompts:
+            raise bad_request(f"at most {s.max_prompts} prompts per request, got {num_prompts}", "prompt")
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if len(stops) > s.max_stop_strings or any(len(x) > s.max_stop_length for x in stops):
+            raise bad_request(
+                f"at most {s.max_stop_strings} stop strings of at most {s.max_stop_length} characters",
+                "stop",
+            )
+        if top_logprobs is not None and top_logprobs > MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be <= {MAX_LOGPROBS}", "top_logprobs")
+        if body.model is not None and body.model != s.served_model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def sampling_params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
+        try:
+            return build()
+        except ValueError as e:
+            raise to_api_error(e) from e
+
+    def admit(self) -> None:
+        """Refuse fast (503 + Retry-After) when draining, dead, or the queue is full."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", type_="server_error",
+                           code="draining", headers={"Retry-After": "5"})
+        if self.engine.is_dead:
+            raise APIError(503, "The engine is not available.", type_="server_error", code="engine_dead")
+        limit = self.settings.max_queued_requests
+        if limit is not None and self.in_flight >= self.engine.config.max_num_seqs + limit:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise APIError(503, "The server is overloaded; retry later.", type_="server_error",
+                           code="overloaded", headers={"Retry-After": "1"})
+
+    async def prepare(self, prompts: list[Any], params: SamplingParams,
+                      add_special_tokens: bool = True) -> list[ProcessedPrompt]:
+        processed = []
+        for prompt in prompts:
+            try:
+                p = await self.engine.process_prompt(prompt, add_special_tokens)
+                self.engine.inputs.max_tokens(len(p.token_ids), params)
+            except ValueError as e:
+                raise to_api_error(e) from e
+            processed.append(p)
+        return processed
+
+    # ---- generation ----------------------------------------------------------------------
+    async def run(
+        self,
+        raw: Request,
+        body: _SamplingFields,
+        prompts: list[ProcessedPrompt],
+        params: SamplingParams,
+        formatter: Any,
+    ) -> Any:
+        """Generate for every prompt; stream SSE chunks or return one JSON body."""
+        request_id = f"{formatter.id_prefix}-{uuid.uuid4().hex}"
+        arrival = time.monotonic()
+        deadline = arrival + body.timeout if body.timeout is not None else None
+        fmt = formatter(request_id, int(time.time()), self.settings.served_model_name, params, self.metrics)
+        outputs = self._merged(prompts, params, request_id, body.priority, deadline, arrival)
+        self.in_flight += 1
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(outputs, fmt, include_usage), media_type="text/event-stream")
+        try:
+            return await self._collect_or_disconnect(raw, outputs, fmt)
+        finally:
+            self.in_flight -= 1
+
+    async def _merged(self, prompts: list[ProcessedPrompt], params: SamplingParams, request_id: str,
+                      priority: int, deadline: float | None, arrival: float,
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all prompts as (prompt index, output), in arrival order."""
+        gens = [
+            self.engine.generate(p, params, f"{request_id}-{i}", priority=priority, deadline=deadline,
+                                 arrival_time=arrival)
+            for i, p in enumerate(prompts)
+        ]
+        if len(gens) == 1:
+            try:
+                async for out in gens[0]:
+                    yield 0, out
+            finally:
+                await gens[0].aclose()
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+                queue.put_nowait(None)
+            except Exception as e:  # forwarded to the consumer
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect_or_disconnect(self, raw: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                                     fmt: Any) -> Any:
+        async def collect() -> Any:
+            async for index, out in outputs:
+                fmt.add(index, out)
+            return fmt.final()
+
+        async def disconnected() -> None:
+            while True:
+                message = await raw.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        work = asyncio.create_task(collect())
+        watch = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not work.done():  # the client left: cancelling aborts every engine request
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return JSONResponse({}, status_code=499)
+        try:
+            body = work.result()
+        except Exception as e:
+            return to_api_error(e).response()
+        self._observe(fmt)
+        return JSONResponse(body)
+
+    async def _sse(self, outputs: AsyncIterator[tuple[int, RequestOutput]], fmt: Any,
+                   include_usage: bool) -> AsyncIterator[str]:
+        try:
+            async for index, out in outputs:
+                for chunk in fmt.chunks(index, out):
+                    yield f"data: {chunk}\n\n"
+            if include_usage:
+                yield f"data: {fmt.usage_chunk()}\n\n"
+            self._observe(fmt)
+        except Exception as e:  # after the 200: report in-band, then end the stream
+            import json
+
+            yield f"data: {json.dumps(to_api_error(e).body())}\n\n"
+        finally:
+            self.in_flight -= 1
+            await outputs.aclose()  # type: ignore[attr-defined]
+        yield "data: [DONE]\n\n"
+
+    def _observe(self, fmt: Any) -> None:
+        self.metrics.observe_finished(fmt.last_metrics, fmt.finish_reasons(), fmt.prompt_tokens,
+                                      fmt.completion_tokens)
