@@ -55,16 +55,23 @@ class Scheduler:
         """Queue a request; raises ValueError if it could never fit in the KV pool."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        total = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        if self.bm.blocks_needed(total) > self.bm.num_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} needs {self.bm.blocks_needed(total)} KV blocks "
-                f"for {total} tokens but the pool has {self.bm.num_blocks}; raise num_kv_blocks "
-                "or kv_cache_memory, or lower max_tokens"
-            )
+        self.check_fits(request.request_id, request.num_prompt_tokens + request.max_tokens)
         self.requests[request.request_id] = request
         self._new_ids.add(request.request_id)
         self.waiting.add(request)
+
+    def check_fits(self, request_id: str, num_tokens: int) -> None:
+        """Raise ValueError if a request of num_tokens could never fit in the KV pool.
+
+        Reads only constants, so the frontend may call it from another thread.
+        """
+        total = min(num_tokens, self.max_model_len)
+        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+            raise ValueError(
+                f"request {request_id!r} needs {self.bm.blocks_needed(total)} KV blocks "
+                f"for {total} tokens but the pool has {self.bm.num_blocks}; raise num_kv_blocks "
+                "or kv_cache_memory, or lower max_tokens"
+            )
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests (abort, stop string, error) wherever they are; frees their blocks."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -61,6 +62,10 @@ class _EngineThread:
         self._thread = threading.Thread(target=self._run, name="swiftserve-engine", daemon=True)
         self.error: BaseException | None = None
         self.stats_lock = threading.Lock()
+        # Fault injection for reliability tests: die after this many steps.
+        fault = os.environ.get("SWIFTSERVE_INJECT_ENGINE_FAULT_AFTER")
+        self._fault_after = int(fault) if fault else None
+        self._steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -101,6 +106,9 @@ class _EngineThread:
                 if self.core.has_unfinished():
                     with self.stats_lock:
                         outputs = self.core.step()
+                    self._steps += 1
+                    if self._fault_after is not None and self._steps >= self._fault_after:
+                        raise RuntimeError("injected engine fault (SWIFTSERVE_INJECT_ENGINE_FAULT_AFTER)")
                     self._emit(outputs)
         except BaseException as e:  # the engine is dead: tell every waiter, then stop
             logger.exception("engine thread died")
@@ -196,6 +204,7 @@ class AsyncLLM:
             raise EngineDeadError("engine is not running")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.process_prompt(prompt)
         max_tokens = self.inputs.max_tokens(len(processed.token_ids), params)
+        self.core.scheduler.check_fits(request_id, len(processed.token_ids) + max_tokens)
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

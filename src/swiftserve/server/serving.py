@@ -127,7 +127,8 @@ class OpenAIServing:
         for prompt in prompts:
             try:
                 p = await self.engine.process_prompt(prompt, add_special_tokens)
-                self.engine.inputs.max_tokens(len(p.token_ids), params)
+                max_tokens = self.engine.inputs.max_tokens(len(p.token_ids), params)
+                self.engine.core.scheduler.check_fits("request", len(p.token_ids) + max_tokens)
             except ValueError as e:
                 raise to_api_error(e) from e
             processed.append(p)
