@@ -19,9 +19,7 @@ LLAMA3_ROPE = {
 
 MODEL_SPECS = {
     "llama3": dict(architecture="llama", rope_parameters=LLAMA3_ROPE),
-    "llama_tied_sharded": dict(
-        architecture="llama", tie_word_embeddings=True, max_shard_size="100KB"
-    ),
+    "llama_tied_sharded": dict(architecture="llama", tie_word_embeddings=True, max_shard_size="100KB"),
     "qwen2": dict(architecture="qwen2"),
     "mistral": dict(architecture="mistral", sliding_window=24),
 }

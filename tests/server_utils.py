@@ -39,12 +39,28 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(model: Path, *args: str, env: dict[str, str] | None = None,
-                   log_dir: Path | None = None, startup_s: float = 180) -> Iterator[Server]:
+def running_server(
+    model: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+    startup_s: float = 180,
+) -> Iterator[Server]:
     port = free_port()
     log = (log_dir or Path("/tmp")) / f"swiftserve-{port}.log"
-    cmd = [sys.executable, "-m", "swiftserve.cli", "serve", "--model", str(model), "--port", str(port),
-           "--log-level", "warning", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "swiftserve.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *args,
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"

@@ -54,9 +54,7 @@ def test_stop_string_across_tokens_never_leaks(tokenizer) -> None:  # type: igno
 
 
 def test_include_stop_str_in_output(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    deltas, detok, _stop = stream(
-        tokenizer, SamplingParams(stop="STOP", include_stop_str_in_output=True)
-    )
+    deltas, detok, _stop = stream(tokenizer, SamplingParams(stop="STOP", include_stop_str_in_output=True))
     assert detok.text == TEXT[: TEXT.index("STOP") + 4]
     assert "".join(deltas) == detok.text
 

@@ -25,9 +25,7 @@ def test_prompt_forms_and_order(llm: LLM) -> None:
     outs = llm.generate([text, ids, {"prompt_token_ids": ids}, "x = 1"], params, use_tqdm=False)
     assert [o.prompt for o in outs[:1]] == [text]
     assert outs[0].prompt_token_ids == ids == outs[1].prompt_token_ids
-    assert (
-        outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
-    )
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
     assert outs[3].prompt == "x = 1"
     single = llm.generate(text, params, use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
@@ -94,9 +92,7 @@ def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
     )
     assert inc[0].outputs[0].text == full.text[: full.text.index(stop) + len(stop)]
     tid = full.token_ids[4]
-    by_id = llm.generate("def f(x):", base.replace(stop_token_ids=[tid]), use_tqdm=False)[
-        0
-    ].outputs[0]
+    by_id = llm.generate("def f(x):", base.replace(stop_token_ids=[tid]), use_tqdm=False)[0].outputs[0]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tid
     assert by_id.token_ids == full.token_ids[: full.token_ids.index(tid) + 1]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
@@ -140,9 +136,7 @@ def test_prompt_logprobs_match_transformers(llm: LLM, llama_dir: Path) -> None:
 def test_chat_applies_template(llm: LLM) -> None:
     messages = [{"role": "user", "content": "hi"}]
     out = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
-    expected = llm.get_tokenizer().apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
+    expected = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out.prompt == expected and out.prompt.endswith("<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], use_tqdm=False)

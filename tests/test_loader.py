@@ -29,9 +29,7 @@ def test_unsupported_architecture_names_supported(llama_dir: Path, tmp_path: Pat
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(
-        CheckpointError, match="LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"
-    ):
+    with pytest.raises(CheckpointError, match="LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"):
         ModelConfig.from_dir(path)
 
 

@@ -45,8 +45,7 @@ def hf_reference(path: str) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[fl
         )
         new = out.sequences[0, len(prompt) :].tolist()
         lps = [
-            torch.log_softmax(step[0].float(), -1)[t].item()
-            for step, t in zip(out.logits, new, strict=True)
+            torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new, strict=True)
         ]
         tokens.append(tuple(new))
         logprobs.append(tuple(lps))
@@ -67,26 +66,20 @@ ENGINE_VARIANTS = {
 def generate(llm: LLM) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     priority = [i % 3 for i in range(len(PROMPTS))]
-    return llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], params, priority=priority, use_tqdm=False
-    )
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, priority=priority, use_tqdm=False)
 
 
 def check(outs: list, ref_tokens: tuple, ref_logprobs: tuple) -> None:
     for i, out in enumerate(outs):
         assert tuple(out.outputs[0].token_ids) == ref_tokens[i], f"prompt {i}"
-        got = [
-            out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(out.outputs[0].token_ids)
-        ]
+        got = [out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(out.outputs[0].token_ids)]
         assert got == pytest.approx(ref_logprobs[i], abs=1e-4)
         assert out.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 @pytest.mark.parametrize("model_name", ["llama3", "qwen2", "mistral", "llama_tied_sharded"])
-def test_greedy_matches_transformers(
-    model_dirs: dict[str, Path], model_name: str, variant: str
-) -> None:
+def test_greedy_matches_transformers(model_dirs: dict[str, Path], model_name: str, variant: str) -> None:
     path = model_dirs[model_name]
     ref_tokens, ref_logprobs = hf_reference(str(path))
     llm = LLM(str(path), progress=False, max_model_len=256, **ENGINE_VARIANTS[variant])  # type: ignore[arg-type]

@@ -51,9 +51,7 @@ def test_sampling_frequencies_match_filtered_distribution(temperature, top_k, to
     states = [SamplingState(params, [1]) for _ in range(rows)]
     tokens, _ = sampler(LOGITS.repeat(rows, 1), states)
     counts = np.bincount(tokens, minlength=len(LOGITS))
-    expected = expected_distribution(
-        LOGITS.numpy().astype(np.float64), temperature, top_k, top_p, min_p
-    )
+    expected = expected_distribution(LOGITS.numpy().astype(np.float64), temperature, top_k, top_p, min_p)
     support = expected > 0
     assert counts[~support].sum() == 0, "sampled a filtered-out token"
     stat = chisquare(counts[support], expected[support] * rows)
@@ -104,15 +102,11 @@ def test_penalties_change_choice() -> None:
     sampler = Sampler()
     base = SamplingState(SamplingParams(temperature=0.0), [5], output_token_ids=[0, 0])
     assert sampler(LOGITS[None], [base])[0] == [0]
-    freq = SamplingState(
-        SamplingParams(temperature=0.0, frequency_penalty=0.5), [5], output_token_ids=[0, 0]
-    )
+    freq = SamplingState(SamplingParams(temperature=0.0, frequency_penalty=0.5), [5], output_token_ids=[0, 0])
     assert sampler(LOGITS[None], [freq])[0] == [1]  # 2.0 - 2*0.5 = 1.0 < 1.5
     rep = SamplingState(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0])
     assert sampler(LOGITS[None], [rep])[0] == [1]  # prompt token 0 penalised: 2.0 / 2 = 1.0
-    pres = SamplingState(
-        SamplingParams(temperature=0.0, presence_penalty=1.0), [5], output_token_ids=[0]
-    )
+    pres = SamplingState(SamplingParams(temperature=0.0, presence_penalty=1.0), [5], output_token_ids=[0])
     assert sampler(LOGITS[None], [pres])[0] == [1]
 
 

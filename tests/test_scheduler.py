@@ -205,8 +205,6 @@ def test_prefix_cache_hit_skips_computed_tokens() -> None:
 def test_many_requests_tiny_pool_no_livelock() -> None:
     s = make_scheduler(num_blocks=8, block_size=2, budget=5, max_seqs=4, policy="priority")
     for i in range(20):
-        s.add_request(
-            make_request(str(i), 3 + i % 5, max_tokens=6, priority=i % 3, arrival=i * 0.01)
-        )
+        s.add_request(make_request(str(i), 3 + i % 5, max_tokens=6, priority=i % 3, arrival=i * 0.01))
     run_to_end(s, max_steps=5000)
     assert s.bm.num_free_blocks == 8

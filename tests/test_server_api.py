@@ -52,8 +52,14 @@ def test_completion_matches_offline(client: openai.OpenAI, offline: LLM) -> None
 
 def test_streaming_completion_equals_non_streamed(client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     # Equal, U+FFFD included: a random model emits invalid byte sequences that decode() also
@@ -70,15 +76,23 @@ def test_chat_matches_offline_streamed_and_not(client: openai.OpenAI, offline: L
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     assert resp.choices[0].message.content == ref.outputs[0].text
     assert resp.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == ref.outputs[0].text
 
 
 def test_n_choices_and_seed(client: openai.OpenAI) -> None:
-    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, n=3, seed=5,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=1.0,
+        n=3,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     first = client.completions.create(**kwargs)  # type: ignore[call-overload]
     again = client.completions.create(**kwargs)  # type: ignore[call-overload]
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
@@ -99,8 +113,14 @@ def test_logprobs(client: openai.OpenAI, offline: LLM) -> None:
     assert lp is not None and lp.token_logprobs == pytest.approx(expected, abs=1e-4)
     # A dict keyed by token text: distinct tokens with equal text (e.g. lone bytes) collapse.
     assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)  # type: ignore[union-attr]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob <= 0 for c in content)
@@ -112,8 +132,9 @@ def test_stop_strings(client: openai.OpenAI) -> None:
     cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
-                                         stop=[stop], stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
 
 

@@ -17,18 +17,34 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    args = ("--max-model-len", "128", "--api-key", KEY, "--max-body-bytes", "200000",
-            "--max-stop-strings", "4", "--max-stop-length", "20", "--served-model-name", "tiny")
+    args = (
+        "--max-model-len",
+        "128",
+        "--api-key",
+        KEY,
+        "--max-body-bytes",
+        "200000",
+        "--max-stop-strings",
+        "4",
+        "--max-stop-length",
+        "20",
+        "--served-model-name",
+        "tiny",
+    )
     with running_server(llama_dir, *args, log_dir=tmp_path_factory.mktemp("logs")) as srv:
         yield srv
 
 
-def post(server: Server, path: str, content: bytes | str, headers: dict[str, str] | None = None) -> httpx.Response:
+def post(
+    server: Server, path: str, content: bytes | str, headers: dict[str, str] | None = None
+) -> httpx.Response:
     hdrs = {"Content-Type": "application/json", **HEADERS, **(headers or {})}
     return httpx.post(f"{server.url}{path}", content=content, headers=hdrs, timeout=30)
 
 
-def assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+def assert_error(
+    resp: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict:
     assert resp.status_code == status, resp.text
     body = resp.json()
     assert set(body) == {"error"}
@@ -88,21 +104,37 @@ def test_n_one_million_rejected_fast(server: Server) -> None:
 def test_context_length_exceeded(server: Server) -> None:
     resp = post(server, "/v1/completions", '{"prompt": "hello", "max_tokens": 500}')
     body = assert_error(resp, 400, "max_tokens", "context_length_exceeded")
-    assert body["error"]["message"].startswith("This model's maximum context length is 128 tokens. However, you requested")
+    assert body["error"]["message"].startswith(
+        "This model's maximum context length is 128 tokens. However, you requested"
+    )
     assert_still_serving(server)
 
 
 def test_bad_chat_requests(server: Server) -> None:
     assert_error(post(server, "/v1/chat/completions", '{"messages": []}'), 400, "messages")
-    assert_error(post(server, "/v1/chat/completions", '{"messages": [{"role": "robot", "content": "x"}]}'), 400)
-    assert_error(post(server, "/v1/chat/completions",
-                      '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}'),
-                 400, "top_logprobs")
+    assert_error(
+        post(server, "/v1/chat/completions", '{"messages": [{"role": "robot", "content": "x"}]}'),
+        400,
+    )
+    assert_error(
+        post(
+            server,
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}',
+        ),
+        400,
+        "top_logprobs",
+    )
     assert_still_serving(server)
 
 
 def test_unknown_model_is_404(server: Server) -> None:
-    assert_error(post(server, "/v1/completions", '{"prompt": "x", "model": "gpt-9"}'), 404, "model", "model_not_found")
+    assert_error(
+        post(server, "/v1/completions", '{"prompt": "x", "model": "gpt-9"}'),
+        404,
+        "model",
+        "model_not_found",
+    )
 
 
 def test_auth(server: Server) -> None:
@@ -122,8 +154,11 @@ def test_body_too_large(server: Server) -> None:
 
 
 def test_deadline_is_a_distinct_error(server: Server) -> None:
-    resp = post(server, "/v1/completions",
-                '{"prompt": "x", "max_tokens": 100, "ignore_eos": true, "timeout": 0.001}')
+    resp = post(
+        server,
+        "/v1/completions",
+        '{"prompt": "x", "max_tokens": 100, "ignore_eos": true, "timeout": 0.001}',
+    )
     assert_error(resp, 408, "timeout", "deadline_exceeded")
     assert_still_serving(server)
     deadline = time.monotonic() + 10
@@ -134,9 +169,16 @@ def test_deadline_is_a_distinct_error(server: Server) -> None:
 
 def test_metrics_names(server: Server) -> None:
     names = set(server.metrics(HEADERS))
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prefix_cache_queries", "prefix_cache_hits", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+    ):
         assert f"swiftserve:{name}" in names, name
     assert any(n.startswith("swiftserve:time_to_first_token_seconds") for n in names)
     assert any(n.startswith('swiftserve:request_success_total{finished_reason="length"}') for n in names)

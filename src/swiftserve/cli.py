@@ -73,9 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("out")
     rnd.add_argument("--preset", default="smollm-135m")
     rnd.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
-    rnd.add_argument(
-        "--model-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16")
-    )
+    rnd.add_argument("--model-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     rnd.add_argument("--model-seed", type=int, default=0)
     rnd.set_defaults(func=_random_model)
 

@@ -72,9 +72,7 @@ def _corpus() -> list[str]:
     for name in _CORPUS_FILES:
         file = root / name
         if file.is_file():
-            lines.extend(
-                file.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-            )
+            lines.extend(file.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True))
     return lines or ["def f(x):\n    return x\n"]
 
 

@@ -72,8 +72,7 @@ class SamplingParams:
         _check_int(own, "min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"{own}.min_tokens ({self.min_tokens}) must not exceed "
-                f"max_tokens ({self.max_tokens})"
+                f"{own}.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -95,11 +94,7 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         """True when any repetition/presence/frequency penalty is active."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def replace(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""

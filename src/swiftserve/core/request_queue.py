@@ -111,9 +111,7 @@ class PriorityQueue:
         return request
 
     def remove(self, request: Request) -> None:
-        if not any(
-            entry[3] is request for entry in self._heap if id(entry[3]) not in self._removed
-        ):
+        if not any(entry[3] is request for entry in self._heap if id(entry[3]) not in self._removed):
             raise ValueError(f"{request.request_id} is not queued")
         self._removed.add(id(request))
         self._size -= 1

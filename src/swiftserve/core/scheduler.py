@@ -167,9 +167,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _preempt_for(
-        self, request: Request, scheduled: dict[str, int], preempted: list[str]
-    ) -> bool:
+    def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
         """Priority policy: make room for ``request`` by preempting a worse running one."""
         if self.policy != "priority" or not self.running:
             return False
@@ -270,10 +268,7 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 from swiftserve.config import EngineConfig
 from swiftserve.core.messages import EngineCoreOutput
 from swiftserve.engine.core import EngineCore, EngineCoreRequest
-from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, Prompt, ProcessedPrompt
+from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, ProcessedPrompt, Prompt
 from swiftserve.engine.llm import child_seed
 from swiftserve.engine.output_processor import OutputProcessor
 from swiftserve.engine.tokenizer import load_tokenizer
@@ -173,16 +173,17 @@ class AsyncLLM:
         if stopped and self._thread is not None:
             self._thread.send(_Abort(stopped, stopped=True))
         for state in touched:
-            q = self._queues.get(state.request_id)
-            if q is not None:
-                q.put_nowait(self.processor.to_request_output(state, delta=True))
+            rq = self._queues.get(state.request_id)
+            if rq is not None:
+                rq.put_nowait(self.processor.to_request_output(state, delta=True))
 
     # ---- requests ------------------------------------------------------------------------
     async def process_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize and validate off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._tokenize_pool, lambda: self.inputs.process(prompt, add_special_tokens=add_special_tokens)
+            self._tokenize_pool,
+            lambda: self.inputs.process(prompt, add_special_tokens=add_special_tokens),
         )
 
     async def generate(
@@ -194,7 +195,7 @@ class AsyncLLM:
         priority: int = 0,
         deadline: float | None = None,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield incremental outputs (``text`` holds only the new text of each step).
 
         ``deadline`` is an absolute time.monotonic() value; past it the request is aborted
@@ -213,9 +214,13 @@ class AsyncLLM:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         core_requests = [
             EngineCoreRequest(
-                child, processed.token_ids,
+                child,
+                processed.token_ids,
                 params if params.n == 1 else params.replace(n=1, seed=child_seed(params.seed, i, params.n)),
-                max_tokens, self.eos_token_ids, priority, arrival,
+                max_tokens,
+                self.eos_token_ids,
+                priority,
+                arrival,
             )
             for i, child in enumerate(children)
         ]

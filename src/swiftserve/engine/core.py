@@ -67,8 +67,7 @@ def num_kv_blocks(
         blocks = min(blocks, useful)
     if blocks < 1:
         raise ValueError(
-            f"EngineConfig.kv_cache_memory ({memory}) is smaller than one KV block "
-            f"({block_bytes} bytes)"
+            f"EngineConfig.kv_cache_memory ({memory}) is smaller than one KV block ({block_bytes} bytes)"
         )
     return int(blocks)
 

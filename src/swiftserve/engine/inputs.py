@@ -65,9 +65,7 @@ class InputProcessor:
             elif "prompt" in prompt:
                 return self.process(prompt["prompt"], add_special_tokens=add_special_tokens)
             else:
-                raise InvalidRequestError(
-                    "prompt: dict needs 'prompt' or 'prompt_token_ids'", "prompt"
-                )
+                raise InvalidRequestError("prompt: dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         elif isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt: must not be empty", "prompt")
@@ -79,9 +77,7 @@ class InputProcessor:
 
     def _check_ids(self, token_ids: object) -> list[int]:
         if not isinstance(token_ids, list) or not token_ids:
-            raise InvalidRequestError(
-                "prompt: must be a non-empty string or list of token ids", "prompt"
-            )
+            raise InvalidRequestError("prompt: must be a non-empty string or list of token ids", "prompt")
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
@@ -93,9 +89,7 @@ class InputProcessor:
         """The request's max_tokens; raises if prompt + max_tokens exceeds the context."""
         limit = self.max_model_len
         requested = params.max_tokens
-        if num_prompt_tokens >= limit or (
-            requested is not None and num_prompt_tokens + requested > limit
-        ):
+        if num_prompt_tokens >= limit or (requested is not None and num_prompt_tokens + requested > limit):
             wanted = num_prompt_tokens + (requested or 0)
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -43,9 +43,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer or path)
         self.engine = EngineCore(self.config, path, progress=progress)
         self.max_model_len = self.engine.max_model_len
-        self.inputs = InputProcessor(
-            self.tokenizer, self.engine.model_config.vocab_size, self.max_model_len
-        )
+        self.inputs = InputProcessor(self.tokenizer, self.engine.model_config.vocab_size, self.max_model_len)
         self.eos_token_ids = self.engine.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -71,13 +69,10 @@ class LLM:
         # Validate everything before queueing anything: all-or-nothing.
         processed = [self.inputs.process(p, add_special_tokens=add_special_tokens) for p in items]
         max_tokens = [
-            self.inputs.max_tokens(len(p.token_ids), sp)
-            for p, sp in zip(processed, params, strict=True)
+            self.inputs.max_tokens(len(p.token_ids), sp) for p, sp in zip(processed, params, strict=True)
         ]
         request_ids = [str(next(self._ids)) for _ in items]
-        for rid, proc, sp, prio, mt in zip(
-            request_ids, processed, params, prios, max_tokens, strict=True
-        ):
+        for rid, proc, sp, prio, mt in zip(request_ids, processed, params, prios, max_tokens, strict=True):
             self._add(rid, proc.prompt, proc.token_ids, sp, prio, mt)
         return self._run(request_ids, use_tqdm)
 
@@ -132,9 +127,7 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
         done: dict[str, RequestOutput] = {}
-        with tqdm(
-            total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm
-        ) as bar:
+        with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while pending and self.engine.has_unfinished():
                 touched, stopped = self.processor.process(self.engine.step())
                 if stopped:

@@ -83,12 +83,8 @@ class OutputProcessor:
             )
             for i, cid in enumerate(children)
         }
-        plp: list[PositionLogprobs | None] | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
-        self.requests[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, sequences, plp
-        )
+        plp: list[PositionLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences, plp)
         for cid in children:
             self._parent_of[cid] = request_id
         return children
@@ -103,18 +99,12 @@ class OutputProcessor:
                 continue
             state = self.requests[parent_id]
             seq = state.sequences[out.request_id]
-            if (
-                out.prompt_logprobs is not None
-                and state.prompt_logprobs is not None
-                and seq.index == 0
-            ):
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
                 state.prompt_logprobs.extend(self._logprob_dicts(out.prompt_logprobs))
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None and out.new_logprobs:
                 seq.logprobs.extend(self._logprob_dicts(out.new_logprobs))
-                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
-                    e[1] for e in out.new_logprobs
-                )
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(e[1] for e in out.new_logprobs)
             stop = seq.detok.update(out.new_token_ids)
             if stop is not None and out.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = "stop", stop

@@ -107,9 +107,7 @@ def _decode(
     # Query head h uses KV head h // group (transformers' repeat_kv order).
     qt = q.view(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
     scores = torch.bmm(qt, keys.transpose(1, 2)).float() * (head_dim**-0.5)
-    scores = scores.view(kv_heads, batch, group, length).masked_fill_(
-        ~meta.decode_mask, float("-inf")
-    )
+    scores = scores.view(kv_heads, batch, group, length).masked_fill_(~meta.decode_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(-1, group, length)
     out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)

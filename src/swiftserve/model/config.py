@@ -53,9 +53,7 @@ class ModelConfig:
         return cls.from_dict(raw, gen, source=str(cfg_file))
 
     @classmethod
-    def from_dict(
-        cls, raw: dict[str, Any], gen: dict[str, Any], source: str = "config"
-    ) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], gen: dict[str, Any], source: str = "config") -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -77,9 +75,7 @@ class ModelConfig:
         if missing:
             raise CheckpointError(f"{source}: missing keys {missing}")
         if raw.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(
-                f"{source}: hidden_act {raw['hidden_act']!r} not supported (silu)"
-            )
+            raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} not supported (silu)")
         num_heads = raw["num_attention_heads"]
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))

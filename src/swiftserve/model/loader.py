@@ -120,9 +120,7 @@ def _load_tensor(key, tensor, cfg, params, loaded) -> None:  # type: ignore[no-u
         raise CheckpointError(f"unexpected tensor {key!r} in checkpoint (no such parameter)")
     dest = param.data if bounds is None else param.data[bounds[0] : bounds[1]]
     if tuple(dest.shape) != tuple(tensor.shape):
-        raise CheckpointError(
-            f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-        )
+        raise CheckpointError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     dest.copy_(tensor)
     loaded.add((name, bounds))
 

@@ -47,9 +47,7 @@ class RotaryEmbedding:
         self.sin = emb.sin()
         self.max_positions = max_positions
 
-    def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the given positions, shaped [T, 1, head_dim] in ``dtype``."""
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -44,8 +45,12 @@ class GuardMiddleware:
             given = headers.get("authorization", "")
             expected = f"Bearer {key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                err = APIError(401, "Invalid or missing API key.", type_="authentication_error",
-                               code="invalid_api_key")
+                err = APIError(
+                    401,
+                    "Invalid or missing API key.",
+                    type_="authentication_error",
+                    code="invalid_api_key",
+                )
                 return await err.response()(scope, receive, send)
         limit = self.settings.max_body_bytes
         length = headers.get("content-length")
@@ -137,10 +142,18 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "swiftserve",
-            "max_model_len": engine.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "swiftserve",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -151,9 +164,13 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         prompts = _completion_prompts(body.prompt)
         serving.check_limits(body, len(prompts), body.logprobs)
         params = serving.sampling_params(lambda: body.to_sampling_params(None))
-        serving.admit()
-        processed = await serving.prepare(prompts, params)
-        return await serving.run(raw, body, processed, params, CompletionFormatter)
+        ticket = serving.admit()
+        try:
+            processed = await serving.prepare(prompts, params)
+        except BaseException:
+            ticket.release()
+            raise
+        return await serving.run(raw, body, processed, params, CompletionFormatter, ticket)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
@@ -161,16 +178,23 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             raise APIError(400, "messages: must not be empty", param="messages")
         serving.check_limits(body, 1, body.top_logprobs)
         params = serving.sampling_params(lambda: body.to_sampling_params(None))
-        serving.admit()
+        ticket = serving.admit()
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = engine.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt
+            text = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: engine.tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt
+                ),
             )
-        except Exception as e:  # a template error is the request's fault
+            processed = await serving.prepare([text], params, add_special_tokens=False)
+        except BaseException as e:
+            ticket.release()
+            if isinstance(e, APIError) or not isinstance(e, Exception):
+                raise
+            # a template error is the request's fault
             raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
-        processed = await serving.prepare([text], params, add_special_tokens=False)
-        return await serving.run(raw, body, processed, params, ChatFormatter)
+        return await serving.run(raw, body, processed, params, ChatFormatter, ticket)
 
     return app
 

@@ -38,8 +38,14 @@ class _Formatter:
 
     id_prefix = "req"
 
-    def __init__(self, request_id: str, created: int, model: str, params: SamplingParams,
-                 metrics: ServerMetrics | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        params: SamplingParams,
+        metrics: ServerMetrics | None = None,
+    ):
         self.id = request_id
         self.created = created
         self.model = model
@@ -98,8 +104,16 @@ class _Formatter:
         return [c.finish_reason for c in self.choices.values() if c.finish_reason]
 
     def usage_chunk(self) -> str:
-        return json.dumps({"id": self.id, "object": self.chunk_object, "created": self.created,
-                           "model": self.model, "choices": [], "usage": self.usage()})
+        return json.dumps(
+            {
+                "id": self.id,
+                "object": self.chunk_object,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": self.usage(),
+            }
+        )
 
     chunk_object = "chunk"
 
@@ -122,7 +136,9 @@ class CompletionFormatter(_Formatter):
     id_prefix = "cmpl"
     chunk_object = "text_completion"
 
-    def _logprobs(self, token_ids: list[int], lps: list[PositionLogprobs], offset: int) -> dict[str, Any] | None:
+    def _logprobs(
+        self, token_ids: list[int], lps: list[PositionLogprobs], offset: int
+    ) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -133,7 +149,12 @@ class CompletionFormatter(_Formatter):
             tops.append(dict(_top(lp, self.num_top)))
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def chunks(self, index: int, out: RequestOutput) -> list[str]:
         result = []
@@ -142,21 +163,45 @@ class CompletionFormatter(_Formatter):
                 continue
             start = len(d.choice.token_ids) - len(d.token_ids)
             lp = self._logprobs(d.choice.token_ids[start:], d.logprobs, len(d.choice.text) - len(d.text))
-            choice = {"index": d.choice.index, "text": d.text, "logprobs": lp,
-                      "finish_reason": d.choice.finish_reason if d.newly_finished else None,
-                      "stop_reason": d.choice.stop_reason if d.newly_finished else None}
-            result.append(json.dumps({"id": self.id, "object": "text_completion", "created": self.created,
-                                      "model": self.model, "choices": [choice]}))
+            choice = {
+                "index": d.choice.index,
+                "text": d.text,
+                "logprobs": lp,
+                "finish_reason": d.choice.finish_reason if d.newly_finished else None,
+                "stop_reason": d.choice.stop_reason if d.newly_finished else None,
+            }
+            result.append(
+                json.dumps(
+                    {
+                        "id": self.id,
+                        "object": "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [choice],
+                    }
+                )
+            )
         return result
 
     def final(self) -> dict[str, Any]:
         choices = [
-            {"index": c.index, "text": c.text, "logprobs": self._logprobs(c.token_ids, c.logprobs, 0),
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": self._logprobs(c.token_ids, c.logprobs, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             for c in self._sorted()
         ]
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
 
 class ChatFormatter(_Formatter):
@@ -169,12 +214,17 @@ class ChatFormatter(_Formatter):
         content = []
         for token_id, lp in zip(token_ids, lps, strict=False):
             text = _token_text(lp, token_id)
-            content.append({
-                "token": text, "logprob": lp[token_id].logprob, "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in _top(lp, self.num_top)
-                ],
-            })
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp[token_id].logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": list(t.encode())}
+                        for t, v in _top(lp, self.num_top)
+                    ],
+                }
+            )
         return {"content": content}
 
     def chunks(self, index: int, out: RequestOutput) -> list[str]:
@@ -193,17 +243,32 @@ class ChatFormatter(_Formatter):
         return result
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
-        return json.dumps({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        })
+        return json.dumps(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            }
+        )
 
     def final(self) -> dict[str, Any]:
         choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-             "stop_reason": c.stop_reason}
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             for c in self._sorted()
         ]
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }

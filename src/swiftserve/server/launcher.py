@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import signal
-import sys
 import time
 from typing import Any
 
@@ -25,8 +24,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-queued-requests", type=int, default=None,
-                        help="503 + Retry-After once this many requests wait beyond max_num_seqs")
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="503 + Retry-After once this many requests wait beyond max_num_seqs",
+    )
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--max-n", type=int, default=16)
     parser.add_argument("--max-prompts", type=int, default=64)
@@ -86,13 +89,22 @@ def run_server(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     )
     engine = AsyncLLM(config, str(path))
     app = create_app(engine, settings)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                               timeout_keep_alive=5, timeout_graceful_shutdown=int(args.shutdown_timeout))
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=int(args.shutdown_timeout),
+    )
     server = _DrainingServer(uv_config, app, args.shutdown_timeout)
     url = f"http://{args.host}:{args.port}"
     auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
-    print(f"\nswiftserve: serving {settings.served_model_name} at {url}/v1\n"
-          f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
-          f"-d '{{\"prompt\": \"def fib(n):\", \"max_tokens\": 32}}'\n", flush=True)
+    print(
+        f"\nswiftserve: serving {settings.served_model_name} at {url}/v1\n"
+        f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\'\n',
+        flush=True,
+    )
     asyncio.run(server.serve())
     return server.exit_code

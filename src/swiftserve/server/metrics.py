@@ -22,17 +22,38 @@ class ServerMetrics:
         self.prefix_queries = Gauge("swiftserve:prefix_cache_queries", "Prompt tokens looked up", registry=r)
         self.prefix_hits = Gauge("swiftserve:prefix_cache_hits", "Prompt tokens found cached", registry=r)
         self.preemptions = Gauge("swiftserve:num_preemptions_total", "Preemptions so far", registry=r)
-        self.ttft = Histogram("swiftserve:time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("swiftserve:inter_token_latency_seconds", "ITL", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("swiftserve:e2e_request_latency_seconds", "End to end", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("swiftserve:request_queue_time_seconds", "Queue time", buckets=_LATENCY_BUCKETS, registry=r)
-        self.success = Counter("swiftserve:request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.ttft = Histogram(
+            "swiftserve:time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "swiftserve:inter_token_latency_seconds", "ITL", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "swiftserve:e2e_request_latency_seconds",
+            "End to end",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "swiftserve:request_queue_time_seconds",
+            "Queue time",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            "swiftserve:request_success", "Finished requests", ["finished_reason"], registry=r
+        )
         self.prompt_tokens = Counter("swiftserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("swiftserve:generation_tokens", "Generated tokens", registry=r)
         self.rejected = Counter("swiftserve:request_rejected", "Rejected requests", ["reason"], registry=r)
 
-    def observe_finished(self, metrics: RequestMetrics | None, reasons: list[str], prompt_tokens: int,
-                         completion_tokens: int) -> None:
+    def observe_finished(
+        self,
+        metrics: RequestMetrics | None,
+        reasons: list[str],
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         for reason in reasons:

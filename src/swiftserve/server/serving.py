@@ -11,12 +11,13 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from swiftserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestDeadlineError
 from swiftserve.engine.inputs import InvalidRequestError, ProcessedPrompt
@@ -51,26 +52,38 @@ def to_api_error(error: BaseException) -> APIError:
     if isinstance(error, InvalidRequestError):
         return bad_request(str(error), error.param, error.code)
     if isinstance(error, RequestDeadlineError):
-        return APIError(408, "The request's timeout expired before it finished (queue time included).",
-                        type_="timeout_error", param="timeout", code="deadline_exceeded")
+        return APIError(
+            408,
+            "The request's timeout expired before it finished (queue time included).",
+            type_="timeout_error",
+            param="timeout",
+            code="deadline_exceeded",
+        )
     if isinstance(error, EngineDeadError):
-        return APIError(500, "The engine stopped with an error; this request cannot complete.",
-                        type_="server_error", code="engine_dead")
+        return APIError(
+            500,
+            "The engine stopped with an error; this request cannot complete.",
+            type_="server_error",
+            code="engine_dead",
+        )
     if isinstance(error, ValueError):
         match = _FIELD.match(str(error))
         return bad_request(str(error), match.group(1) if match else None)
     return APIError(500, "Internal server error.", type_="server_error")
 
 
-@dataclass
-class Choice:
-    """Accumulated state of one returned choice."""
+class Ticket:
+    """One admitted HTTP request's seat in the in-flight count; release() is idempotent."""
 
-    index: int
-    text: str = ""
-    num_tokens: int = 0
-    num_logprobs: int = 0
-    finish_reason: str | None = None
+    def __init__(self, serving: OpenAIServing):
+        self._serving = serving
+        self._held = True
+        serving.in_flight += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._serving.in_flight -= 1
 
 
 class OpenAIServing:
@@ -99,8 +112,12 @@ class OpenAIServing:
         if top_logprobs is not None and top_logprobs > MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be <= {MAX_LOGPROBS}", "top_logprobs")
         if body.model is not None and body.model != s.served_model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
 
     def sampling_params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
         try:
@@ -108,21 +125,36 @@ class OpenAIServing:
         except ValueError as e:
             raise to_api_error(e) from e
 
-    def admit(self) -> None:
-        """Refuse fast (503 + Retry-After) when draining, dead, or the queue is full."""
+    def admit(self) -> Ticket:
+        """Refuse fast (503 + Retry-After) when draining, dead, or the queue is full.
+
+        The seat is taken here, before tokenization, so a burst cannot slip past the limit.
+        """
         if self.draining:
-            raise APIError(503, "The server is shutting down.", type_="server_error",
-                           code="draining", headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                "The server is shutting down.",
+                type_="server_error",
+                code="draining",
+                headers={"Retry-After": "5"},
+            )
         if self.engine.is_dead:
             raise APIError(503, "The engine is not available.", type_="server_error", code="engine_dead")
         limit = self.settings.max_queued_requests
         if limit is not None and self.in_flight >= self.engine.config.max_num_seqs + limit:
             self.metrics.rejected.labels(reason="queue_full").inc()
-            raise APIError(503, "The server is overloaded; retry later.", type_="server_error",
-                           code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                "The server is overloaded; retry later.",
+                type_="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        return Ticket(self)
 
-    async def prepare(self, prompts: list[Any], params: SamplingParams,
-                      add_special_tokens: bool = True) -> list[ProcessedPrompt]:
+    async def prepare(
+        self, prompts: list[Any], params: SamplingParams, add_special_tokens: bool = True
+    ) -> list[ProcessedPrompt]:
         processed = []
         for prompt in prompts:
             try:
@@ -142,29 +174,48 @@ class OpenAIServing:
         prompts: list[ProcessedPrompt],
         params: SamplingParams,
         formatter: Any,
+        ticket: Ticket,
     ) -> Any:
-        """Generate for every prompt; stream SSE chunks or return one JSON body."""
+        """Generate for every prompt; stream SSE chunks or return one JSON body.
+
+        Takes ownership of ``ticket`` and releases it when the response is complete.
+        """
         request_id = f"{formatter.id_prefix}-{uuid.uuid4().hex}"
         arrival = time.monotonic()
         deadline = arrival + body.timeout if body.timeout is not None else None
         fmt = formatter(request_id, int(time.time()), self.settings.served_model_name, params, self.metrics)
         outputs = self._merged(prompts, params, request_id, body.priority, deadline, arrival)
-        self.in_flight += 1
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(outputs, fmt, include_usage), media_type="text/event-stream")
+            return StreamingResponse(
+                self._sse(outputs, fmt, include_usage, ticket),
+                media_type="text/event-stream",
+                background=BackgroundTask(ticket.release),
+            )
         try:
             return await self._collect_or_disconnect(raw, outputs, fmt)
         finally:
-            self.in_flight -= 1
+            ticket.release()
 
-    async def _merged(self, prompts: list[ProcessedPrompt], params: SamplingParams, request_id: str,
-                      priority: int, deadline: float | None, arrival: float,
-                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(
+        self,
+        prompts: list[ProcessedPrompt],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        deadline: float | None,
+        arrival: float,
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of all prompts as (prompt index, output), in arrival order."""
         gens = [
-            self.engine.generate(p, params, f"{request_id}-{i}", priority=priority, deadline=deadline,
-                                 arrival_time=arrival)
+            self.engine.generate(
+                p,
+                params,
+                f"{request_id}-{i}",
+                priority=priority,
+                deadline=deadline,
+                arrival_time=arrival,
+            )
             for i, p in enumerate(prompts)
         ]
         if len(gens) == 1:
@@ -200,8 +251,9 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _collect_or_disconnect(self, raw: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                                     fmt: Any) -> Any:
+    async def _collect_or_disconnect(
+        self, raw: Request, outputs: AsyncIterator[tuple[int, RequestOutput]], fmt: Any
+    ) -> Any:
         async def collect() -> Any:
             async for index, out in outputs:
                 fmt.add(index, out)
@@ -230,8 +282,13 @@ class OpenAIServing:
         self._observe(fmt)
         return JSONResponse(body)
 
-    async def _sse(self, outputs: AsyncIterator[tuple[int, RequestOutput]], fmt: Any,
-                   include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(
+        self,
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+        fmt: Any,
+        include_usage: bool,
+        ticket: Ticket,
+    ) -> AsyncIterator[str]:
         try:
             async for index, out in outputs:
                 for chunk in fmt.chunks(index, out):
@@ -244,10 +301,11 @@ class OpenAIServing:
 
             yield f"data: {json.dumps(to_api_error(e).body())}\n\n"
         finally:
-            self.in_flight -= 1
+            ticket.release()
             await outputs.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
     def _observe(self, fmt: Any) -> None:
-        self.metrics.observe_finished(fmt.last_metrics, fmt.finish_reasons(), fmt.prompt_tokens,
-                                      fmt.completion_tokens)
+        self.metrics.observe_finished(
+            fmt.last_metrics, fmt.finish_reasons(), fmt.prompt_tokens, fmt.completion_tokens
+        )

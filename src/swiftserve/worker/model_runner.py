@@ -52,8 +52,7 @@ class ModelRunner:
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # see model/attention.py
         # zeros, not empty: padded gathers read unused slots, which must hold finite values.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(cfg.num_layers)
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)
         ]
         n = max_num_batched_tokens
         self._ids = np.zeros(n, dtype=np.int64)
@@ -119,9 +118,7 @@ class ModelRunner:
         )
         return _Batch(row, meta, order, sample_rows, prompt_rows)
 
-    def _prepare_decode(
-        self, decode: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prepare_decode(self, decode: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = len(decode)
         positions = np.fromiter((s.start_pos for s in decode), dtype=np.int64, count=batch)
         self._ids[:batch] = [s.token_ids[0] for s in decode]
@@ -191,9 +188,7 @@ class ModelRunner:
         if num_sample:
             states = [self.states[rid] for _, rid in batch.sample_rows]
             tokens, entries = self.sampler(logits[:num_sample], states)
-            for (_, rid), token, entry, state in zip(
-                batch.sample_rows, tokens, entries, states, strict=True
-            ):
+            for (_, rid), token, entry, state in zip(batch.sample_rows, tokens, entries, states, strict=True):
                 state.output_token_ids.append(token)
                 result.sampled_token_ids[rid] = token
                 if entry is not None:

@@ -105,17 +105,13 @@ class Sampler:
                 continue
             counts = torch.zeros(vocab)
             if s.output_token_ids:
-                counts.index_add_(
-                    0, torch.tensor(s.output_token_ids), torch.ones(len(s.output_token_ids))
-                )
+                counts.index_add_(0, torch.tensor(s.output_token_ids), torch.ones(len(s.output_token_ids)))
             line = logits[row]
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
                 if s.prompt_token_ids:
                     seen[torch.tensor(s.prompt_token_ids)] = True
-                penalized = torch.where(
-                    line > 0, line / p.repetition_penalty, line * p.repetition_penalty
-                )
+                penalized = torch.where(line > 0, line / p.repetition_penalty, line * p.repetition_penalty)
                 line = torch.where(seen, penalized, line)
             line = line - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
             logits[row] = line
@@ -133,9 +129,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(states) if s.generator is None]
         if unseeded:
-            shared = torch.empty(len(unseeded), probs.shape[1]).exponential_(
-                generator=self.generator
-            )
+            shared = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
             noise[unseeded] = shared
         for i, s in enumerate(states):
             if s.generator is not None:
@@ -156,9 +150,7 @@ def filter_logits(
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ks = torch.tensor([vocab if k == -1 else k for k in top_k])
-    sorted_logits = sorted_logits.masked_fill(
-        torch.arange(vocab)[None, :] >= ks[:, None], float("-inf")
-    )
+    sorted_logits = sorted_logits.masked_fill(torch.arange(vocab)[None, :] >= ks[:, None], float("-inf"))
     if any(p < 1.0 for p in top_p):
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
