@@ -92,19 +92,37 @@ def run_hf(
 
 
 def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
+    """Run each backend named in --backend (comma-separated) on the same prompts, in one run."""
+    backends = [b.strip() for b in args.backend.split(",")]
+    unknown = set(backends) - {"swiftserve", "hf"}
+    if unknown:
+        raise ValueError(f"--backend: unknown {sorted(unknown)}; use swiftserve, hf or both")
+    reports = [_run_one(args, engine, backend) for backend in backends]
+    if len(reports) == 1:
+        result = reports[0]
+    else:
+        base = reports[-1]["output_tokens_per_s"]
+        result = {"runs": reports, "ratio_output_tokens_per_s": reports[0]["output_tokens_per_s"] / base}
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _run_one(args: argparse.Namespace, engine: dict[str, Any], backend: str) -> dict[str, Any]:
     from swiftserve.demo import resolve_model
     from swiftserve.model.config import ModelConfig
 
     model = str(resolve_model(args.model))
     vocab = ModelConfig.from_dir(model).vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
-    if args.backend == "swiftserve":
+    if backend == "swiftserve":
         result = run_swiftserve(model, prompts, args.output_len, {**engine, "dtype": args.dtype})
     else:
         result = run_hf(model, prompts, args.output_len, args.dtype, args.hf_batch_size)
     total_tokens = result["output_tokens"] + args.num_prompts * args.input_len
-    report = {
-        "backend": args.backend,
+    return {
+        "backend": backend,
         "model": model,
         "dtype": args.dtype,
         "num_prompts": args.num_prompts,
@@ -115,17 +133,17 @@ def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
         "total_tokens_per_s": total_tokens / result["elapsed_s"],
         "requests_per_s": args.num_prompts / result["elapsed_s"],
     }
-    print(json.dumps(report, indent=2))
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2))
-    return report
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--backend", choices=("swiftserve", "hf"), default="swiftserve")
+    parser.add_argument(
+        "--backend",
+        default="swiftserve",
+        help="swiftserve, hf, or both comma-separated (run side by side, with a ratio)",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--bench-seed", dest="seed", type=int, default=0)
     parser.add_argument("--output-json", type=str, default=None)

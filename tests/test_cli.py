@@ -1,0 +1,52 @@
+"""The command line: generate on a checkpoint, bench throughput smoke run, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swiftserve.cli import main
+
+
+def test_generate(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "def f():", "--max-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "finish_reason: length, tokens: 5" in out
+
+
+def test_bench_throughput_both_backends(llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = [
+        "bench",
+        "throughput",
+        "--model",
+        str(llama_dir),
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--backend",
+        "swiftserve,hf",
+        "--hf-batch-size",
+        "2",
+        "--output-json",
+        str(out),
+    ]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert [r["backend"] for r in report["runs"]] == ["swiftserve", "hf"]
+    for run in report["runs"]:
+        assert run["output_tokens"] == 16 and run["output_tokens_per_s"] > 0
+        assert {"num_prompts", "elapsed_s", "total_tokens_per_s"} <= set(run)
+    assert report["ratio_output_tokens_per_s"] > 0
+
+
+def test_user_errors_are_one_line(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--model", str(llama_dir), "--prompt", "x", "--temperature", "-1"])
+    assert code == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "--model", "/nonexistent/dir", "--prompt", "x"]) == 2
