@@ -76,7 +76,7 @@ BAD_COMPLETIONS = {
     "top-p-zero": ('{"prompt": "x", "top_p": 0}', "top_p"),
     "top-k-zero": ('{"prompt": "x", "top_k": 0}', "top_k"),
     "top-k-below-minus-one": ('{"prompt": "x", "top_k": -5}', "top_k"),
-    "logprobs-too-many": ('{"prompt": "x", "logprobs": 21}', "top_logprobs"),
+    "logprobs-too-many": ('{"prompt": "x", "logprobs": 21}', "logprobs"),
     "too-many-stops": ('{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
     "stop-too-long": ('{"prompt": "x", "stop": ["' + "y" * 50 + '"]}', "stop"),
     "unknown-field": ('{"prompt": "x", "frobnicate": 1}', "frobnicate"),
