@@ -129,3 +129,25 @@ def test_engine_death_errors_health_and_exit_code(llama_dir: Path, tmp_path: Pat
         code = server.proc.wait(timeout=10)
         assert code != 0
         assert time.monotonic() - start < 10
+
+
+def test_huge_prompt_does_not_block_health(llama_dir: Path, tmp_path: Path) -> None:
+    """A 1 MB prompt is tokenized off the event loop: /health stays fast meanwhile."""
+    with running_server(llama_dir, "--max-model-len", "256", log_dir=tmp_path) as server:
+
+        async def scenario() -> tuple[httpx.Response, list[float]]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                prompt = "for i in range(10): print(i)  # é\n" * 30_000  # about 1 MB
+                big = asyncio.create_task(client.post(f"{server.url}/v1/completions", json={"prompt": prompt}))
+                latencies = []
+                while not big.done():
+                    start = time.perf_counter()
+                    assert (await client.get(f"{server.url}/health")).status_code == 200
+                    latencies.append(time.perf_counter() - start)
+                    await asyncio.sleep(0.02)
+                return await big, latencies
+
+        resp, latencies = asyncio.run(scenario())
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+        assert len(latencies) >= 3, "the prompt was handled too fast to observe"
+        assert max(latencies) < 0.5, latencies
