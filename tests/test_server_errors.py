@@ -182,3 +182,30 @@ def test_metrics_names(server: Server) -> None:
         assert f"swiftserve:{name}" in names, name
     assert any(n.startswith("swiftserve:time_to_first_token_seconds") for n in names)
     assert any(n.startswith('swiftserve:request_success_total{finished_reason="length"}') for n in names)
+
+
+def _raw(server: Server, payload: bytes) -> bytes:
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(payload)
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    return data
+
+
+def test_oversized_headers_get_431(server: Server) -> None:
+    reply = _raw(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431")
+    assert set(__import__("json").loads(body)["error"]) == {"message", "type", "param", "code"}
+    assert_still_serving(server)
+
+
+def test_malformed_http_gets_json_400(server: Server) -> None:
+    reply = _raw(server, b"NOT HTTP AT ALL\r\n\r\n")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b'"error"' in body
+    assert_still_serving(server)

@@ -138,7 +138,9 @@ def test_huge_prompt_does_not_block_health(llama_dir: Path, tmp_path: Path) -> N
         async def scenario() -> tuple[httpx.Response, list[float]]:
             async with httpx.AsyncClient(timeout=60) as client:
                 prompt = "for i in range(10): print(i)  # é\n" * 30_000  # about 1 MB
-                big = asyncio.create_task(client.post(f"{server.url}/v1/completions", json={"prompt": prompt}))
+                big = asyncio.create_task(
+                    client.post(f"{server.url}/v1/completions", json={"prompt": prompt})
+                )
                 latencies = []
                 while not big.done():
                     start = time.perf_counter()

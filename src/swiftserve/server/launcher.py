@@ -14,6 +14,7 @@ import uvicorn
 from swiftserve.config import EngineConfig
 from swiftserve.engine.async_llm import AsyncLLM
 from swiftserve.server.app import create_app
+from swiftserve.server.http_protocol import OpenAIH11Protocol
 from swiftserve.server.serving import ServerSettings
 
 logger = logging.getLogger("swiftserve.server")
@@ -36,6 +37,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop-strings", type=int, default=16)
     parser.add_argument("--max-stop-length", type=int, default=256)
     parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument(
+        "--max-header-bytes", type=int, default=64 * 1024, help="larger header blocks get 431"
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -94,8 +98,10 @@ def run_server(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        http=OpenAIH11Protocol,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=int(args.shutdown_timeout),
+        h11_max_incomplete_event_size=args.max_header_bytes,
     )
     server = _DrainingServer(uv_config, app, args.shutdown_timeout)
     url = f"http://{args.host}:{args.port}"
