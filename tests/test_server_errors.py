@@ -188,16 +188,20 @@ def _raw(server: Server, payload: bytes) -> bytes:
     import socket
 
     host, port = server.url.removeprefix("http://").split(":")
+    data = b""
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(payload)
-        data = b""
-        while chunk := sock.recv(4096):
-            data += chunk
+        try:
+            sock.sendall(payload)
+            while chunk := sock.recv(4096):
+                data += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server may close before reading everything; its reply is already in `data`
     return data
 
 
 def test_oversized_headers_get_431(server: Server) -> None:
-    reply = _raw(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
+    # No terminating blank line: h11 limits the *incomplete* header block (64 KiB by default).
+    reply = _raw(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000)
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431")
     assert set(__import__("json").loads(body)["error"]) == {"message", "type", "param", "code"}
