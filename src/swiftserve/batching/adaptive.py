@@ -1,0 +1,105 @@
+"""The adaptive batching window: a model-based choice corrected by measured P99.
+
+Control law (all times in ms):
+
+1. Arrival rate ``lam`` (items/ms): EWMA of inter-arrival gaps, ``gap <- 0.8 gap + 0.2 new``,
+   ``lam = 1 / gap``.
+2. Batch cost ``c(n) = a + b n``: least squares over the last 64 measured batches
+   (fixed overhead ``a``, per-item cost ``b``); until two distinct sizes are seen, the
+   mean observed cost is used for every n.
+3. Model window. Waiting ``w`` fills a batch of ``n(w) = min(max_batch, 1 + lam w)``
+   items; an item's latency is at most about ``w + c(n(w))``. Without a target the window
+   is the time to fill a full batch, ``(max_batch - 1) / lam``. With ``target_p99_ms = T``
+   the window is the largest ``w`` on a grid of 32 points in ``[0, max_wait]`` with
+   ``w + c(n(w)) <= 0.8 T`` (20% headroom for queueing); 0 when none fits.
+4. Feedback. Every 16 completed items, P99 over the last 256 latencies is compared with
+   ``T``: above it the scale ``s`` is multiplied by 0.7; below ``0.7 T`` it is multiplied
+   by 1.15 (capped at 1.5); otherwise unchanged. ``s`` is floored at 0.05.
+5. Output ``window = clamp(s * w_model, 0, max_wait_ms)``: ``max_wait_ms`` is a hard cap.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
+    return ordered[rank]
+
+
+class AdaptiveWindow:
+    """Chooses how long the oldest queued item may wait before its batch fires."""
+
+    def __init__(self, max_batch_size: int, max_wait_ms: float, target_p99_ms: float | None):
+        self.max_batch_size = max_batch_size
+        self.max_wait_ms = max_wait_ms
+        self.target_p99_ms = target_p99_ms
+        self.scale = 1.0
+        self._gap_ms: float | None = None
+        self._last_arrival: float | None = None
+        self._costs: deque[tuple[int, float]] = deque(maxlen=64)
+        self._latencies: deque[float] = deque(maxlen=256)
+        self._since_feedback = 0
+
+    # ---- observations --------------------------------------------------------------------
+    def observe_arrival(self, now_ms: float) -> None:
+        if self._last_arrival is not None:
+            gap = max(now_ms - self._last_arrival, 1e-3)
+            self._gap_ms = gap if self._gap_ms is None else 0.8 * self._gap_ms + 0.2 * gap
+        self._last_arrival = now_ms
+
+    def observe_batch(self, size: int, cost_ms: float) -> None:
+        self._costs.append((size, cost_ms))
+
+    def observe_latency(self, latency_ms: float) -> None:
+        self._latencies.append(latency_ms)
+        self._since_feedback += 1
+        if self.target_p99_ms is not None and self._since_feedback >= 16:
+            self._since_feedback = 0
+            p99 = percentile(list(self._latencies), 99)
+            if p99 > self.target_p99_ms:
+                self.scale = max(0.05, self.scale * 0.7)
+            elif p99 < 0.7 * self.target_p99_ms:
+                self.scale = min(1.5, self.scale * 1.15)
+
+    # ---- model ---------------------------------------------------------------------------
+    @property
+    def arrival_rate_per_ms(self) -> float:
+        return 0.0 if self._gap_ms is None else 1.0 / self._gap_ms
+
+    def cost_ms(self, n: int) -> float:
+        if not self._costs:
+            return 0.0
+        sizes = [s for s, _ in self._costs]
+        costs = [c for _, c in self._costs]
+        mean_s, mean_c = sum(sizes) / len(sizes), sum(costs) / len(costs)
+        var = sum((s - mean_s) ** 2 for s in sizes)
+        if var == 0:
+            return mean_c
+        slope = sum((s - mean_s) * (c - mean_c) for s, c in self._costs) / var
+        slope = max(slope, 0.0)
+        return max(mean_c - slope * mean_s, 0.0) + slope * n
+
+    def _model_window(self) -> float:
+        lam = self.arrival_rate_per_ms
+        if lam <= 0:
+            return self.max_wait_ms
+        fill_ms = (self.max_batch_size - 1) / lam
+        if self.target_p99_ms is None:
+            return fill_ms
+        budget = 0.8 * self.target_p99_ms
+        best = 0.0
+        for i in range(33):
+            w = min(fill_ms, self.max_wait_ms) * i / 32
+            n = min(self.max_batch_size, 1 + int(lam * w))
+            if w + self.cost_ms(n) <= budget:
+                best = w
+        return best
+
+    def window_ms(self) -> float:
+        return max(0.0, min(self.scale * self._model_window(), self.max_wait_ms))
