@@ -10,6 +10,7 @@ so the low-priority items of a mixed queue end up batched together after the oth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import time
@@ -82,8 +83,9 @@ class DynamicBatcher:
         self.queue_timeout_ms = queue_timeout_ms
         self.timeout_action = timeout_action
         self.controller = AdaptiveWindow(max_batch_size, max_wait_ms, target_p99_ms) if adaptive else None
+        # An object whose __call__ is async counts as async too.
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)
+            type(fn).__call__  # type: ignore[operator]
         )
         self._queue = BatchQueue(aging_ms)
         self.max_concurrent_batches = max_concurrent_batches
@@ -187,10 +189,8 @@ class DynamicBatcher:
         """Wait for a wake-up (arrival, finished batch, stop) or ``seconds``."""
         assert self._wake is not None
         self._wake.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
-        except TimeoutError:
-            pass
 
     def _decide(self, now: float) -> tuple[int, float]:
         """(items to fire now, 0) or (0, seconds to wait before deciding again)."""
