@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swiftserve import __version__
 from swiftserve.engine.async_llm import AsyncLLM
+from swiftserve.server.embeddings import EmbeddingRequest, EmbeddingService
 from swiftserve.server.errors import APIError, error_body
 from swiftserve.server.formatting import ChatFormatter, CompletionFormatter
 from swiftserve.server.metrics import ServerMetrics
@@ -96,16 +97,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
-def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
-    """Build the app around a (not yet started) AsyncLLM."""
+def create_app(
+    engine: AsyncLLM | None,
+    settings: ServerSettings,
+    embedder: EmbeddingService | None = None,
+    embedding_model_name: str | None = None,
+) -> FastAPI:
+    """Build the app around a (not yet started) AsyncLLM and/or an embedding service."""
     metrics = ServerMetrics()
     serving = OpenAIServing(engine, settings, metrics)
+    embed_name = embedding_model_name or settings.served_model_name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
-        await engine.start()
+        if engine is not None:
+            await engine.start()
+        if embedder is not None:
+            await embedder.start()
         yield
-        await engine.shutdown()
+        if embedder is not None:
+            await embedder.stop()
+        if engine is not None:
+            await engine.shutdown()
 
     app = FastAPI(title="swiftserve", version=__version__, lifespan=lifespan)
     app.state.serving = serving
@@ -133,7 +146,7 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ok = not engine.is_dead and not serving.draining
+        ok = not serving.engine_dead and not serving.draining
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/version")
@@ -142,9 +155,9 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
+        data = []
+        if engine is not None:
+            data.append(
                 {
                     "id": settings.served_model_name,
                     "object": "model",
@@ -152,15 +165,45 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                     "owned_by": "swiftserve",
                     "max_model_len": engine.max_model_len,
                 }
-            ],
-        }
+            )
+        if embedder is not None:
+            data.append(
+                {
+                    "id": embed_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "swiftserve",
+                    "max_model_len": embedder.encoder.max_seq_length,
+                }
+            )
+        return {"object": "list", "data": data}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+        stats = engine.stats() if engine is not None else {}
+        embed_stats = embedder.batcher.stats() if embedder is not None else None
+        return Response(metrics.render(stats, embed_stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> Any:
+        if embedder is None:
+            raise APIError(
+                404,
+                "This server has no embedding model (use --embedding-model).",
+                param="model",
+                code="model_not_found",
+            )
+        if body.model is not None and body.model != embed_name:
+            raise APIError(
+                404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
+            )
+        if serving.draining:
+            raise APIError(503, "The server is shutting down.", type_="server_error", code="draining")
+        return await embedder.embed(body, embed_name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
+        serving.require_engine()
         prompts = _completion_prompts(body.prompt)
         serving.check_limits(body, len(prompts), body.logprobs)
         params = serving.sampling_params(lambda: body.to_sampling_params(None))
@@ -174,6 +217,7 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
+        serving.require_engine()
         if not body.messages:
             raise APIError(400, "messages: must not be empty", param="messages")
         serving.check_limits(body, 1, body.top_logprobs)
@@ -181,6 +225,7 @@ def create_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         ticket = serving.admit()
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
+            assert engine is not None
             text = await asyncio.get_running_loop().run_in_executor(
                 None,
                 lambda: engine.tokenizer.apply_chat_template(

@@ -7,13 +7,16 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from swiftserve.config import EngineConfig
 from swiftserve.engine.async_llm import AsyncLLM
+from swiftserve.model.encoder import EncoderModel, is_encoder_checkpoint
 from swiftserve.server.app import create_app
+from swiftserve.server.embeddings import EmbeddingService
 from swiftserve.server.http_protocol import OpenAIH11Protocol
 from swiftserve.server.serving import ServerSettings
 
@@ -40,6 +43,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-header-bytes", type=int, default=64 * 1024, help="larger header blocks get 431"
     )
+    parser.add_argument("--embedding-model", default=None, help="encoder checkpoint for /v1/embeddings")
+    parser.add_argument("--embedding-model-name", default=None)
     parser.add_argument("--log-level", default="info")
 
 
@@ -62,7 +67,7 @@ class _DrainingServer(uvicorn.Server):
         self._drain_started = time.monotonic()
 
     async def on_tick(self, counter: int) -> bool:
-        if self.serving.engine.is_dead:
+        if self.serving.engine_dead:
             logger.error("engine died: exiting with status 1")
             self.exit_code = 1
             return True
@@ -91,8 +96,18 @@ def run_server(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
     )
-    engine = AsyncLLM(config, str(path))
-    app = create_app(engine, settings)
+    engine: AsyncLLM | None = None
+    embedder: EmbeddingService | None = None
+    embedding_name = None
+    if is_encoder_checkpoint(path):  # an encoder as --model: an embeddings-only server
+        embedder = EmbeddingService(EncoderModel(path))
+        embedding_name = settings.served_model_name
+    else:
+        engine = AsyncLLM(config, str(path))
+    if args.embedding_model:
+        embedder = EmbeddingService(EncoderModel(args.embedding_model))
+        embedding_name = args.embedding_model_name or Path(args.embedding_model).name
+    app = create_app(engine, settings, embedder, embedding_name)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

