@@ -55,6 +55,13 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(args))
 
 
+def _bench_batcher(args: argparse.Namespace) -> int:
+    from swiftserve.bench import batching
+
+    batching.run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swiftserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_args(tp)
     tp.set_defaults(func=_bench)
+
+    bb = bench_sub.add_parser("batcher", help="adaptive vs fixed batching windows on a bursty trace")
+    from swiftserve.bench.batching import add_args as add_batcher_args
+
+    add_batcher_args(bb)
+    bb.set_defaults(func=_bench_batcher)
     return parser
 
 
