@@ -50,3 +50,24 @@ def test_user_errors_are_one_line(llama_dir: Path, capsys: pytest.CaptureFixture
     assert code == 2
     assert "temperature" in capsys.readouterr().err
     assert main(["generate", "--model", "/nonexistent/dir", "--prompt", "x"]) == 2
+
+
+def test_bench_batcher_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "batcher.json"
+    args = [
+        "bench",
+        "batcher",
+        "--workload",
+        "cost",
+        "--duration-scale",
+        "0.05",
+        "--fixed-windows",
+        "0,5",
+        "--output-json",
+        str(out),
+    ]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"fixed 0 ms", "fixed 5 ms", "adaptive"}
+    for r in report["results"].values():
+        assert r["batches"] >= 1 and r["p99_ms"] >= r["p50_ms"] >= 0

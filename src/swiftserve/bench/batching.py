@@ -45,8 +45,9 @@ def cost_model(overhead_ms: float, per_item_ms: float) -> Callable[[list[Any]], 
     return fn
 
 
-async def replay(fn: Callable[[list[Any]], Any], trace: list[float], items: list[Any],
-                 options: dict[str, Any]) -> dict[str, Any]:
+async def replay(
+    fn: Callable[[list[Any]], Any], trace: list[float], items: list[Any], options: dict[str, Any]
+) -> dict[str, Any]:
     latencies: list[float] = []
     async with DynamicBatcher(fn, **options) as batcher:
         start = time.perf_counter()
@@ -91,21 +92,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs: dict[str, dict[str, Any]] = {
         f"fixed {w:g} ms": {**base, "max_wait_ms": w} for w in args.fixed_windows
     }
-    configs["adaptive"] = {**base, "max_wait_ms": args.max_wait_ms, "adaptive": True,
-                           "target_p99_ms": args.target_p99_ms}
+    configs["adaptive"] = {
+        **base,
+        "max_wait_ms": args.max_wait_ms,
+        "adaptive": True,
+        "target_p99_ms": args.target_p99_ms,
+    }
     results = {}
     for name in track(list(configs), description=f"{args.workload}: replaying {len(trace)} requests"):
         results[name] = asyncio.run(replay(fn, trace, items, configs[name]))
-    table = Table(title=f"bursty trace, {len(trace)} requests, workload={args.workload}, "
-                        f"target P99 {args.target_p99_ms} ms")
+    table = Table(
+        title=f"bursty trace, {len(trace)} requests, workload={args.workload}, "
+        f"target P99 {args.target_p99_ms} ms"
+    )
     for col in ("window", "P50 ms", "P99 ms", "req/s", "batches", "mean batch"):
         table.add_column(col, justify="right")
     for name, r in results.items():
-        table.add_row(name, f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['throughput_rps']:.0f}",
-                      str(r["batches"]), f"{r['mean_batch_size']:.2f}")
+        table.add_row(
+            name,
+            f"{r['p50_ms']:.1f}",
+            f"{r['p99_ms']:.1f}",
+            f"{r['throughput_rps']:.0f}",
+            str(r["batches"]),
+            f"{r['mean_batch_size']:.2f}",
+        )
     Console().print(table)
-    report = {"workload": args.workload, "requests": len(trace), "target_p99_ms": args.target_p99_ms,
-              "results": results}
+    report = {
+        "workload": args.workload,
+        "requests": len(trace),
+        "target_p99_ms": args.target_p99_ms,
+        "results": results,
+    }
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     return report
@@ -118,8 +135,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=50.0)
     parser.add_argument("--target-p99-ms", type=float, default=50.0)
-    parser.add_argument("--fixed-windows", type=lambda s: [float(x) for x in s.split(",")],
-                        default=[0.0, 2.0, 5.0, 10.0, 50.0])
+    parser.add_argument(
+        "--fixed-windows",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.0, 2.0, 5.0, 10.0, 50.0],
+    )
     parser.add_argument("--duration-scale", type=float, default=1.0)
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--bench-seed", type=int, default=0)
