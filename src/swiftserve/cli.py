@@ -55,6 +55,20 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(args))
 
 
+def _bench_latency(args: argparse.Namespace) -> int:
+    from swiftserve.bench import latency
+
+    latency.main(args, {k: v for k, v in engine_kwargs(args).items() if k != "model"})
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from swiftserve.bench import serve
+
+    serve.main(args)
+    return 0
+
+
 def _bench_batcher(args: argparse.Namespace) -> int:
     from swiftserve.bench import batching
 
@@ -99,6 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_args(tp)
     tp.set_defaults(func=_bench)
+
+    lat = bench_sub.add_parser("latency", help="single request in process: TTFT and TPOT over repeats")
+    add_engine_args(lat)
+    from swiftserve.bench.latency import add_args as add_latency_args
+
+    add_latency_args(lat)
+    lat.set_defaults(func=_bench_latency)
+
+    bs = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
+    from swiftserve.bench.serve import add_args as add_serve_args
+
+    add_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
 
     bb = bench_sub.add_parser("batcher", help="adaptive vs fixed batching windows on a bursty trace")
     from swiftserve.bench.batching import add_args as add_batcher_args
