@@ -70,6 +70,7 @@ async def one_request(
     start = time.perf_counter()
     result.start = start
     last: float | None = None
+    finished = False
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             result.status = resp.status_code
@@ -81,6 +82,7 @@ async def one_request(
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    finished = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -89,7 +91,9 @@ async def one_request(
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # A chunk that carries a choice is a token, even if its text is empty (e.g. a
+                # byte that only completes a character in the next token).
+                if chunk.get("choices"):
                     now = time.perf_counter()
                     if last is None:
                         result.ttft = now - start
@@ -100,7 +104,7 @@ async def one_request(
         result.status = 0
         return result
     result.e2el = time.perf_counter() - start
-    result.ok = last is not None
+    result.ok = finished and last is not None
     return result
 
 

@@ -23,6 +23,18 @@ from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
 
 
+def fits_in_kv_pool(request_id: str, num_tokens: int, max_model_len: int, num_blocks: int,
+                    block_size: int) -> None:
+    """Raise ValueError if a request of num_tokens could never fit in the KV pool."""
+    total = min(num_tokens, max_model_len)
+    needed = -(-total // block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"request {request_id!r} needs {needed} KV blocks for {total} tokens but the pool has "
+            f"{num_blocks}; raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
+        )
+
+
 class Scheduler:
     """Decides, step by step, which tokens of which requests the model computes."""
 
@@ -65,13 +77,7 @@ class Scheduler:
 
         Reads only constants, so the frontend may call it from another thread.
         """
-        total = min(num_tokens, self.max_model_len)
-        if self.bm.blocks_needed(total) > self.bm.num_blocks:
-            raise ValueError(
-                f"request {request_id!r} needs {self.bm.blocks_needed(total)} KV blocks "
-                f"for {total} tokens but the pool has {self.bm.num_blocks}; raise num_kv_blocks "
-                "or kv_cache_memory, or lower max_tokens"
-            )
+        fits_in_kv_pool(request_id, num_tokens, self.max_model_len, self.bm.num_blocks, self.bm.block_size)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests (abort, stop string, error) wherever they are; frees their blocks."""

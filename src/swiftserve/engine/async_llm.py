@@ -1,7 +1,7 @@
-"""AsyncLLM: an asyncio front over EngineCore, which runs in a background thread.
+"""AsyncLLM: an asyncio front over EngineCore, which runs in its own process or a thread.
 
-The boundary is two plain message streams: commands (add / abort) go to the engine thread
-through a thread-safe queue; lists of EngineCoreOutput come back to the event loop through
+The boundary is two plain message streams (engine/core_client.py): commands (add / abort)
+go to the engine; lists of EngineCoreOutput come back to the event loop through
 ``call_soon_threadsafe``. One output-handler task detokenizes them and feeds per-request
 asyncio queues. Tokenization runs in a thread pool so a 1 MB prompt never blocks the loop.
 If the engine thread dies, every in-flight request gets the error and ``is_dead`` turns on.
@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import queue
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.messages import EngineCoreOutput
-from swiftserve.engine.core import EngineCore, EngineCoreRequest
+from swiftserve.core.scheduler import fits_in_kv_pool
+from swiftserve.engine.core import EngineCoreRequest
+from swiftserve.engine.core_client import Abort, Add, ProcessCoreClient, ThreadCoreClient
 from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, ProcessedPrompt, Prompt
 from swiftserve.engine.llm import child_seed
 from swiftserve.engine.output_processor import OutputProcessor
 from swiftserve.engine.tokenizer import load_tokenizer
+from swiftserve.model.config import ModelConfig
 from swiftserve.outputs import RequestOutput
 from swiftserve.sampling_params import SamplingParams
 
@@ -41,90 +40,20 @@ class RequestDeadlineError(RuntimeError):
     """A request's deadline (queue time included) passed before it finished."""
 
 
-@dataclass(frozen=True)
-class _Add:
-    requests: list[EngineCoreRequest]
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_ids: list[str]
-    stopped: bool = False
-
-
-class _EngineThread:
-    """Runs EngineCore.step() in a loop; takes commands, emits output batches."""
-
-    def __init__(self, core: EngineCore, emit: Callable[[list[EngineCoreOutput] | BaseException], None]):
-        self.core = core
-        self._emit = emit
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="swiftserve-engine", daemon=True)
-        self.error: BaseException | None = None
-        self.stats_lock = threading.Lock()
-        # Fault injection for reliability tests: die after this many steps.
-        fault = os.environ.get("SWIFTSERVE_INJECT_ENGINE_FAULT_AFTER")
-        self._fault_after = int(fault) if fault else None
-        self._steps = 0
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def send(self, command: _Add | _Abort) -> None:
-        self._commands.put(command)
-
-    def stop(self) -> None:
-        self._commands.put(None)
-        self._thread.join(timeout=30)
-
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Add):
-            for i, request in enumerate(command.requests):
-                try:
-                    self.core.add_request(request)
-                except ValueError as e:  # admission all-or-nothing for n children
-                    self.core.abort_requests([r.request_id for r in command.requests[:i]])
-                    self._emit(e)
-                    return
-        else:
-            self.core.abort_requests(command.request_ids, stopped=command.stopped)
-
-    def _run(self) -> None:
-        try:
-            while True:
-                block = not self.core.has_unfinished()
-                try:
-                    command = self._commands.get(block=block)
-                    while True:
-                        if command is None:
-                            return
-                        with self.stats_lock:
-                            self._apply(command)
-                        command = self._commands.get_nowait()
-                except queue.Empty:
-                    pass
-                if self.core.has_unfinished():
-                    with self.stats_lock:
-                        outputs = self.core.step()
-                    self._steps += 1
-                    if self._fault_after is not None and self._steps >= self._fault_after:
-                        raise RuntimeError("injected engine fault (SWIFTSERVE_INJECT_ENGINE_FAULT_AFTER)")
-                    self._emit(outputs)
-        except BaseException as e:  # the engine is dead: tell every waiter, then stop
-            logger.exception("engine thread died")
-            self.error = e
-            self._emit(e)
-
-
 class AsyncLLM:
     """Async generation: ``async for out in engine.generate(prompt, params, request_id)``."""
 
-    def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True):
+    def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True,
+                 engine_process: bool = False):
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
-        self.core = EngineCore(config, model_path, progress=progress)
-        self.max_model_len = self.core.max_model_len
-        self.model_config = self.core.model_config
+        self.model_config = ModelConfig.from_dir(model_path)
+        # The core runs in its own process (msgspec over a pipe) or in a thread of this one.
+        self.client: ThreadCoreClient | ProcessCoreClient = (
+            ProcessCoreClient(config, model_path, progress) if engine_process
+            else ThreadCoreClient(config, model_path, progress)
+        )
+        self.max_model_len = self.client.info.max_model_len
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
@@ -133,23 +62,23 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: _EngineThread | None = None
+        self._started = False
         self.dead_callbacks: list[Callable[[BaseException], None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = _EngineThread(self.core, self._emit_threadsafe)
-        self._thread.start()
+        self.client.start(self._emit_threadsafe)
+        self._started = True
 
     async def shutdown(self) -> None:
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.stop)
+        if self._started:
+            await asyncio.get_running_loop().run_in_executor(None, self.client.stop)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_dead(self) -> bool:
-        return self._thread is not None and self._thread.error is not None
+        return self.client.error is not None
 
     @property
     def num_unfinished(self) -> int:
@@ -170,8 +99,8 @@ class AsyncLLM:
                     callback(error)
             return
         touched, stopped = self.processor.process(item)
-        if stopped and self._thread is not None:
-            self._thread.send(_Abort(stopped, stopped=True))
+        if stopped:
+            self.client.send(Abort(stopped, stopped=True))
         for state in touched:
             rq = self._queues.get(state.request_id)
             if rq is not None:
@@ -201,11 +130,11 @@ class AsyncLLM:
         ``deadline`` is an absolute time.monotonic() value; past it the request is aborted
         and RequestDeadlineError is raised. Cancelling the consumer aborts the request.
         """
-        if self.is_dead or self._thread is None:
+        if self.is_dead or not self._started:
             raise EngineDeadError("engine is not running")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.process_prompt(prompt)
         max_tokens = self.inputs.max_tokens(len(processed.token_ids), params)
-        self.core.scheduler.check_fits(request_id, len(processed.token_ids) + max_tokens)
+        self.check_fits(request_id, len(processed.token_ids) + max_tokens)
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -224,7 +153,7 @@ class AsyncLLM:
             )
             for i, child in enumerate(children)
         ]
-        self._thread.send(_Add(core_requests))
+        self.client.send(Add(core_requests))
         finished = False
         try:
             while True:
@@ -249,8 +178,8 @@ class AsyncLLM:
 
     def _abort_now(self, request_id: str) -> None:
         children = self.processor.abort(request_id)
-        if children and self._thread is not None and not self.is_dead:
-            self._thread.send(_Abort(children))
+        if children and self._started and not self.is_dead:
+            self.client.send(Abort(children))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its generator finishes with finish_reason "abort"."""
@@ -260,18 +189,11 @@ class AsyncLLM:
         if state is not None and q is not None:
             q.put_nowait(self.processor.to_request_output(state, delta=True))
 
+    def check_fits(self, request_id: str, num_tokens: int) -> None:
+        """ValueError if a request of num_tokens could never fit in the engine's KV pool."""
+        info = self.client.info
+        fits_in_kv_pool(request_id, num_tokens, info.max_model_len, info.num_blocks, info.block_size)
+
     def stats(self) -> dict[str, Any]:
-        """A consistent snapshot of scheduler and cache state (for /metrics)."""
-        core = self.core
-        if self._thread is None:
-            return {}
-        with self._thread.stats_lock:
-            bm = core.block_manager
-            return {
-                "num_running": core.scheduler.num_running,
-                "num_waiting": core.scheduler.num_waiting,
-                "kv_cache_usage": bm.usage,
-                "prefix_queries": bm.prefix_queries,
-                "prefix_hits": bm.prefix_hits,
-                "num_preemptions": core.scheduler.num_preemptions,
-            }
+        """Scheduler and cache state for /metrics (the latest the engine reported)."""
+        return self.client.stats() if self._started else {}

@@ -45,6 +45,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--embedding-model", default=None, help="encoder checkpoint for /v1/embeddings")
     parser.add_argument("--embedding-model-name", default=None)
+    parser.add_argument("--engine-mode", choices=("process", "thread"), default="process",
+                        help="run EngineCore in its own process (default) or in a thread")
     parser.add_argument("--log-level", default="info")
 
 
@@ -103,7 +105,7 @@ def run_server(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
         embedder = EmbeddingService(EncoderModel(path))
         embedding_name = settings.served_model_name
     else:
-        engine = AsyncLLM(config, str(path))
+        engine = AsyncLLM(config, str(path), engine_process=args.engine_mode == "process")
     if args.embedding_model:
         embedder = EmbeddingService(EncoderModel(args.embedding_model))
         embedding_name = args.embedding_model_name or Path(args.embedding_model).name

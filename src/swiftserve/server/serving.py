@@ -178,7 +178,7 @@ class OpenAIServing:
             try:
                 p = await self.engine.process_prompt(prompt, add_special_tokens)
                 max_tokens = self.engine.inputs.max_tokens(len(p.token_ids), params)
-                self.engine.core.scheduler.check_fits("request", len(p.token_ids) + max_tokens)
+                self.engine.check_fits("request", len(p.token_ids) + max_tokens)
             except ValueError as e:
                 raise to_api_error(e) from e
             processed.append(p)
