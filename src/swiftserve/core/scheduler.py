@@ -23,8 +23,9 @@ from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
 
 
-def fits_in_kv_pool(request_id: str, num_tokens: int, max_model_len: int, num_blocks: int,
-                    block_size: int) -> None:
+def fits_in_kv_pool(
+    request_id: str, num_tokens: int, max_model_len: int, num_blocks: int, block_size: int
+) -> None:
     """Raise ValueError if a request of num_tokens could never fit in the KV pool."""
     total = min(num_tokens, max_model_len)
     needed = -(-total // block_size)

@@ -43,14 +43,16 @@ class RequestDeadlineError(RuntimeError):
 class AsyncLLM:
     """Async generation: ``async for out in engine.generate(prompt, params, request_id)``."""
 
-    def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True,
-                 engine_process: bool = False):
+    def __init__(
+        self, config: EngineConfig, model_path: str, *, progress: bool = True, engine_process: bool = False
+    ):
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         self.model_config = ModelConfig.from_dir(model_path)
         # The core runs in its own process (msgspec over a pipe) or in a thread of this one.
         self.client: ThreadCoreClient | ProcessCoreClient = (
-            ProcessCoreClient(config, model_path, progress) if engine_process
+            ProcessCoreClient(config, model_path, progress)
+            if engine_process
             else ThreadCoreClient(config, model_path, progress)
         )
         self.max_model_len = self.client.info.max_model_len

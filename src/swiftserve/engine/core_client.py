@@ -182,13 +182,16 @@ def _engine_process_main(config_bytes: bytes, model_path: str, conn: Any) -> Non
 class ProcessCoreClient:
     """EngineCore in a spawned process; a reader thread turns its messages into emits."""
 
-    def __init__(self, config: EngineConfig, model_path: str, progress: bool = True,
-                 startup_timeout_s: float = 600.0):
+    def __init__(
+        self, config: EngineConfig, model_path: str, progress: bool = True, startup_timeout_s: float = 600.0
+    ):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
-            target=_engine_process_main, args=(_encode(config), str(Path(model_path)), child),
-            name="swiftserve-engine", daemon=True,
+            target=_engine_process_main,
+            args=(_encode(config), str(Path(model_path)), child),
+            name="swiftserve-engine",
+            daemon=True,
         )
         self._proc.start()
         child.close()

@@ -124,6 +124,14 @@ def create_app(
     app.state.serving = serving
     app.state.metrics = metrics
     app.add_middleware(GuardMiddleware, settings=settings)  # type: ignore[arg-type]
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, embedder, serving, settings, embed_name)
+    _add_generation_routes(app, engine, serving)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI error body: 400 for validation, never 422 or a traceback."""
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -143,6 +151,18 @@ def create_app(
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return to_api_error(exc).response()
+
+
+def _add_info_routes(
+    app: FastAPI,
+    engine: AsyncLLM | None,
+    embedder: EmbeddingService | None,
+    serving: OpenAIServing,
+    settings: ServerSettings,
+    embed_name: str,
+) -> None:
+    """/health, /version, /v1/models, /metrics and /v1/embeddings."""
+    metrics: ServerMetrics = app.state.metrics
 
     @app.get("/health")
     async def health() -> Response:
@@ -201,6 +221,10 @@ def create_app(
             raise APIError(503, "The server is shutting down.", type_="server_error", code="draining")
         return await embedder.embed(body, embed_name)
 
+
+def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenAIServing) -> None:
+    """/v1/completions and /v1/chat/completions."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         serving.require_engine()
@@ -240,8 +264,6 @@ def create_app(
             # a template error is the request's fault
             raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
         return await serving.run(raw, body, processed, params, ChatFormatter, ticket)
-
-    return app
 
 
 def _completion_prompts(prompt: Any) -> list[Any]:

@@ -45,8 +45,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--embedding-model", default=None, help="encoder checkpoint for /v1/embeddings")
     parser.add_argument("--embedding-model-name", default=None)
-    parser.add_argument("--engine-mode", choices=("process", "thread"), default="process",
-                        help="run EngineCore in its own process (default) or in a thread")
+    parser.add_argument(
+        "--engine-mode",
+        choices=("process", "thread"),
+        default="process",
+        help="run EngineCore in its own process (default) or in a thread",
+    )
     parser.add_argument("--log-level", default="info")
 
 
