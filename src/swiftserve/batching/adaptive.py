@@ -12,9 +12,11 @@ Control law (all times in ms):
    is the time to fill a full batch, ``(max_batch - 1) / lam``. With ``target_p99_ms = T``
    the window is the largest ``w`` on a grid of 32 points in ``[0, max_wait]`` with
    ``w + c(n(w)) <= 0.8 T`` (20% headroom for queueing); 0 when none fits.
-4. Feedback. Every 16 completed items, P99 over the last 256 latencies is compared with
-   ``T``: above it the scale ``s`` is multiplied by 0.7; below ``0.7 T`` it is multiplied
-   by 1.15 (capped at 1.5); otherwise unchanged. ``s`` is floored at 0.05.
+4. Feedback. Every 16 completed items, P99 over the latencies of the last 2 s (at most
+   256) is compared with ``T``: above it the scale ``s`` is multiplied by 0.7; below
+   ``0.7 T`` it is multiplied by 1.15 (capped at 1.5); otherwise unchanged. ``s`` is floored
+   at 0.05. The window is time-based so that a burst's breach stops weighing on the window
+   once the burst is over.
 5. Output ``window = clamp(s * w_model, 0, max_wait_ms)``: ``max_wait_ms`` is a hard cap.
 """
 
@@ -43,7 +45,8 @@ class AdaptiveWindow:
         self._gap_ms: float | None = None
         self._last_arrival: float | None = None
         self._costs: deque[tuple[int, float]] = deque(maxlen=64)
-        self._latencies: deque[float] = deque(maxlen=256)
+        self._latencies: deque[tuple[float, float]] = deque(maxlen=256)  # (time, latency)
+        self.feedback_window_ms = 2000.0
         self._since_feedback = 0
 
     # ---- observations --------------------------------------------------------------------
@@ -56,16 +59,25 @@ class AdaptiveWindow:
     def observe_batch(self, size: int, cost_ms: float) -> None:
         self._costs.append((size, cost_ms))
 
-    def observe_latency(self, latency_ms: float) -> None:
-        self._latencies.append(latency_ms)
+    def observe_latency(self, latency_ms: float, now_ms: float | None = None) -> None:
+        now = now_ms if now_ms is not None else self._clock()
+        self._latencies.append((now, latency_ms))
+        while self._latencies and self._latencies[0][0] < now - self.feedback_window_ms:
+            self._latencies.popleft()
         self._since_feedback += 1
         if self.target_p99_ms is not None and self._since_feedback >= 16:
             self._since_feedback = 0
-            p99 = percentile(list(self._latencies), 99)
+            p99 = percentile([lat for _, lat in self._latencies], 99)
             if p99 > self.target_p99_ms:
                 self.scale = max(0.05, self.scale * 0.7)
             elif p99 < 0.7 * self.target_p99_ms:
                 self.scale = min(1.5, self.scale * 1.15)
+
+    @staticmethod
+    def _clock() -> float:
+        import time
+
+        return time.monotonic() * 1000.0
 
     # ---- model ---------------------------------------------------------------------------
     @property
