@@ -33,7 +33,7 @@ def paged_decode_kernel() -> ModuleType | None:
 
                 source = Path(__file__).with_name("paged_decode.cpp")
                 _module = load(
-                    name="swiftserve_paged_decode_v3",
+                    name="swiftserve_paged_decode_v4",
                     sources=[str(source)],
                     # fast-math: vectorized expf (libmvec) and reassociated sums; the
                     # kernel is tested against the exact PyTorch path.
