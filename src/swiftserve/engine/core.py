@@ -6,6 +6,7 @@ a background thread today and in its own process later without either side chang
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,10 @@ class EngineCore:
             seed=config.seed,
         )
         logger.info("KV cache: %d blocks of %d tokens", blocks, config.block_size)
+        # Everything allocated so far lives as long as the engine: keep the cyclic GC from
+        # walking it on every collection during steps (DESIGN.md, performance rules).
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError if it can never fit."""
