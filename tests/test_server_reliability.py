@@ -153,3 +153,16 @@ def test_huge_prompt_does_not_block_health(llama_dir: Path, tmp_path: Path) -> N
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
         assert len(latencies) >= 3, "the prompt was handled too fast to observe"
         assert max(latencies) < 0.5, latencies
+
+
+def test_thread_engine_mode_serves_and_reports_death(llama_dir: Path, tmp_path: Path) -> None:
+    """The in-process engine thread (--engine-mode thread) keeps the same contract."""
+    env = {"SWIFTSERVE_INJECT_ENGINE_FAULT_AFTER": "40"}
+    with running_server(
+        llama_dir, "--max-model-len", "256", "--engine-mode", "thread", env=env, log_dir=tmp_path
+    ) as server:
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+        dead = httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=30)
+        assert dead.status_code == 500 and dead.json()["error"]["code"] == "engine_dead"
+        assert server.proc.wait(timeout=10) != 0
