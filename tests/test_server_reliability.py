@@ -126,6 +126,7 @@ def test_engine_death_errors_health_and_exit_code(llama_dir: Path, tmp_path: Pat
         start = time.monotonic()
         resp = httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=30)
         assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
         code = server.proc.wait(timeout=10)
         assert code != 0
         assert time.monotonic() - start < 10

@@ -69,6 +69,13 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_reliability(args: argparse.Namespace) -> int:
+    from swiftserve.bench import reliability
+
+    reliability.run(args)
+    return 0
+
+
 def _bench_batcher(args: argparse.Namespace) -> int:
     from swiftserve.bench import batching
 
@@ -126,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(bs)
     bs.set_defaults(func=_bench_serve)
+
+    rel = bench_sub.add_parser("reliability", help="overload, cancellation, death and loop-lag figures")
+    from swiftserve.bench.reliability import add_args as add_reliability_args
+
+    add_reliability_args(rel)
+    rel.set_defaults(func=_bench_reliability)
 
     bb = bench_sub.add_parser("batcher", help="adaptive vs fixed batching windows on a bursty trace")
     from swiftserve.bench.batching import add_args as add_batcher_args

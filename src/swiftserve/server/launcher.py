@@ -63,6 +63,10 @@ class _DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
         self._drain_started: float | None = None
+        self._dead_since: float | None = None
+        # After engine death, keep answering (503 on /health, errors elsewhere) this long so
+        # that health checks and load balancers see it, then exit non-zero.
+        self.death_grace_s = 1.0
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._drain_started is not None:  # a second signal: stop now
@@ -74,9 +78,11 @@ class _DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.serving.engine_dead:
-            logger.error("engine died: exiting with status 1")
+            if self._dead_since is None:
+                logger.error("engine died: /health is 503; exiting with status 1")
+                self._dead_since = time.monotonic()
             self.exit_code = 1
-            return True
+            return time.monotonic() - self._dead_since >= self.death_grace_s
         if self._drain_started is not None:
             done = self.serving.in_flight == 0
             late = time.monotonic() - self._drain_started > self.shutdown_timeout
