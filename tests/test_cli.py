@@ -71,3 +71,10 @@ def test_bench_batcher_smoke(tmp_path: Path) -> None:
     assert set(report["results"]) == {"fixed 0 ms", "fixed 5 ms", "adaptive"}
     for r in report["results"].values():
         assert r["batches"] >= 1 and r["p99_ms"] >= r["p50_ms"] >= 0
+
+
+def test_bench_reliability_help() -> None:
+    """The reliability benchmark is wired into the CLI (it starts servers; run on demand)."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "reliability", "--help"])
+    assert info.value.code == 0
