@@ -16,7 +16,10 @@ Control law (all times in ms):
    256) is compared with ``T``: above it the scale ``s`` is multiplied by 0.7; below
    ``0.7 T`` it is multiplied by 1.15 (capped at 1.5); otherwise unchanged. ``s`` is floored
    at 0.05. The window is time-based so that a burst's breach stops weighing on the window
-   once the burst is over.
+   once the burst is over. A breach only shrinks the window when at least half of the last
+   32 batches fired because their window closed: when batches fire because they are full
+   or because the function was busy, the latency is queueing, and a smaller window would
+   only make batches smaller and the queue longer.
 5. Output ``window = clamp(s * w_model, 0, max_wait_ms)``: ``max_wait_ms`` is a hard cap.
 """
 
@@ -48,6 +51,7 @@ class AdaptiveWindow:
         self._latencies: deque[tuple[float, float]] = deque(maxlen=256)  # (time, latency)
         self.feedback_window_ms = 2000.0
         self._since_feedback = 0
+        self._fired_by_window: deque[bool] = deque(maxlen=32)
 
     # ---- observations --------------------------------------------------------------------
     def observe_arrival(self, now_ms: float) -> None:
@@ -59,6 +63,10 @@ class AdaptiveWindow:
     def observe_batch(self, size: int, cost_ms: float) -> None:
         self._costs.append((size, cost_ms))
 
+    def observe_fire(self, by_window: bool) -> None:
+        """Whether the batch just fired because its window closed (not full, not backlog)."""
+        self._fired_by_window.append(by_window)
+
     def observe_latency(self, latency_ms: float, now_ms: float | None = None) -> None:
         now = now_ms if now_ms is not None else self._clock()
         self._latencies.append((now, latency_ms))
@@ -68,7 +76,8 @@ class AdaptiveWindow:
         if self.target_p99_ms is not None and self._since_feedback >= 16:
             self._since_feedback = 0
             p99 = percentile([lat for _, lat in self._latencies], 99)
-            if p99 > self.target_p99_ms:
+            window_bound = sum(self._fired_by_window) >= len(self._fired_by_window) / 2
+            if p99 > self.target_p99_ms and window_bound:
                 self.scale = max(0.05, self.scale * 0.7)
             elif p99 < 0.7 * self.target_p99_ms:
                 self.scale = min(1.5, self.scale * 1.15)

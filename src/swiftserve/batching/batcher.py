@@ -203,6 +203,10 @@ class DynamicBatcher:
         oldest = self._queue.oldest_arrival_ms()
         window = self.current_window_ms
         if self._closing or oldest is None or now - oldest >= window:
+            if self.controller and oldest is not None:
+                # Fired by the timer only if the oldest item has not waited far past it
+                # (a backlog behind a busy function also passes this test).
+                self.controller.observe_fire(now - oldest < window + 1.0)
             return n, 0.0
         wake_at = oldest + window
         deadline = self._queue.next_deadline_ms()
