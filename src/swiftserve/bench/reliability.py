@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,43 +21,18 @@ from typing import Any
 import httpx
 import numpy as np
 
+from swiftserve.bench.launch import running_server
+
 
 @contextmanager
 def server(
     model: str, *args: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "swiftserve.cli",
-        "serve",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=30)
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        running_server(Path(model), *args, env=env, log_dir=Path(logs)) as srv,
+    ):
+        yield srv.url, srv.proc
 
 
 def _gauges(url: str) -> dict[str, float]:
