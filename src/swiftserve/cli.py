@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from swiftserve.cli_args import add_engine_args, engine_kwargs
@@ -83,6 +84,22 @@ def _bench_batcher(args: argparse.Namespace) -> int:
     return 0
 
 
+# (subcommand, module in swiftserve.bench with add_args(parser), help, handler, engine flags?)
+_BENCHES = [
+    ("throughput", "throughput", "offline throughput, ours or transformers", _bench, True),
+    ("latency", "latency", "single request in process: TTFT and TPOT over repeats", _bench_latency, True),
+    ("serve", "serve", "load generator against an OpenAI-compatible server", _bench_serve, False),
+    (
+        "reliability",
+        "reliability",
+        "overload, cancellation, death and loop-lag figures",
+        _bench_reliability,
+        False,
+    ),
+    ("batcher", "batching", "adaptive vs fixed batching windows on a bursty trace", _bench_batcher, False),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swiftserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,37 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput, ours or transformers")
-    add_engine_args(tp)
-    from swiftserve.bench.throughput import add_args
-
-    add_args(tp)
-    tp.set_defaults(func=_bench)
-
-    lat = bench_sub.add_parser("latency", help="single request in process: TTFT and TPOT over repeats")
-    add_engine_args(lat)
-    from swiftserve.bench.latency import add_args as add_latency_args
-
-    add_latency_args(lat)
-    lat.set_defaults(func=_bench_latency)
-
-    bs = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
-    from swiftserve.bench.serve import add_args as add_serve_args
-
-    add_serve_args(bs)
-    bs.set_defaults(func=_bench_serve)
-
-    rel = bench_sub.add_parser("reliability", help="overload, cancellation, death and loop-lag figures")
-    from swiftserve.bench.reliability import add_args as add_reliability_args
-
-    add_reliability_args(rel)
-    rel.set_defaults(func=_bench_reliability)
-
-    bb = bench_sub.add_parser("batcher", help="adaptive vs fixed batching windows on a bursty trace")
-    from swiftserve.bench.batching import add_args as add_batcher_args
-
-    add_batcher_args(bb)
-    bb.set_defaults(func=_bench_batcher)
+    for name, module, help_text, func, engine_flags in _BENCHES:
+        parser_ = bench_sub.add_parser(name, help=help_text)
+        if engine_flags:
+            add_engine_args(parser_)
+        importlib.import_module(f"swiftserve.bench.{module}").add_args(parser_)
+        parser_.set_defaults(func=func)
     return parser
 
 
