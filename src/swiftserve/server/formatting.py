@@ -104,18 +104,19 @@ class _Formatter:
         return [c.finish_reason for c in self.choices.values() if c.finish_reason]
 
     def usage_chunk(self) -> str:
-        return json.dumps(
-            {
-                "id": self.id,
-                "object": self.chunk_object,
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": self.usage(),
-            }
-        )
+        return json.dumps({**self._envelope(self.chunk_object, []), "usage": self.usage()})
 
     chunk_object = "chunk"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The fields every response body and chunk shares."""
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def _sorted(self) -> list[_Choice]:
         return [self.choices[i] for i in sorted(self.choices)]
@@ -194,14 +195,7 @@ class CompletionFormatter(_Formatter):
             }
             for c in self._sorted()
         ]
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(),
-        }
+        return {**self._envelope("text_completion", choices), "usage": self.usage()}
 
 
 class ChatFormatter(_Formatter):
@@ -264,11 +258,4 @@ class ChatFormatter(_Formatter):
             }
             for c in self._sorted()
         ]
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(),
-        }
+        return {**self._envelope("chat.completion", choices), "usage": self.usage()}
