@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 from typing import Any
 
-from swiftserve.config import DTYPES, POLICIES, EngineConfig
+from swiftserve.config import DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 
-_CHOICES = {"dtype": DTYPES, "scheduling_policy": POLICIES}
+_CHOICES = {"dtype": DTYPES, "scheduling_policy": POLICIES, "quantization": QUANTIZATIONS}
 
 
 def _parse_bool(text: str) -> bool:

@@ -8,6 +8,8 @@ from swiftserve._options import check_range, reject_unknown_options
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
+QUANTIZATIONS = ("int8", "int4")
+QUANT_GROUP_SIZES = (32, 64, 128)
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 
@@ -18,6 +20,9 @@ class EngineConfig:
 
     ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` size the paged KV pool; with neither,
     the pool takes up to 2 GiB but never more than ``max_num_seqs`` full-length sequences need.
+    ``quantization``: "int8" (per output channel) or "int4" (groups of ``quant_group_size``
+    input features) weight-only quantization of the linear layers at load time; the lm_head
+    too when ``quantize_lm_head``, embeddings never.
     ``aging_interval_s``: a waiting request gains one priority level per this many seconds
     waited (priority policy only), which bounds starvation (see core/request_queue.py).
     """
@@ -37,6 +42,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     aging_interval_s: float = 5.0
     num_threads: int | None = None
+    quantization: str | None = None
+    quant_group_size: int = 128
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -45,6 +53,14 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"{own}.scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"{own}.quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
+            )
+        if self.quant_group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(
+                f"{own}.quant_group_size must be one of {QUANT_GROUP_SIZES}, got {self.quant_group_size!r}"
             )
         for name, low in (
             ("max_num_seqs", 1),

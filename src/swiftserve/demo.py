@@ -12,6 +12,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,11 @@ def _corpus() -> list[str]:
     return lines or ["def f(x):\n    return x\n"]
 
 
-def build_tokenizer(vocab_size: int) -> Any:
-    """A byte-level BPE tokenizer (HF fast tokenizer) with a ChatML chat template."""
+def build_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Any:
+    """A byte-level BPE tokenizer (HF fast tokenizer) with a ChatML chat template.
+
+    Trained on ``texts`` (default: a fixed slice of the stdlib, enough for random models).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -90,7 +94,7 @@ def build_tokenizer(vocab_size: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(texts if texts is not None else _corpus(), trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

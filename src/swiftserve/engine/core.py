@@ -22,6 +22,7 @@ from swiftserve.core.scheduler import Scheduler
 from swiftserve.model.config import ModelConfig
 from swiftserve.model.loader import load_model
 from swiftserve.model.packed_linear import pack_linears
+from swiftserve.model.quant_linear import quantize_model, weight_bytes
 from swiftserve.sampling_params import SamplingParams
 from swiftserve.worker.model_runner import ModelRunner
 
@@ -84,8 +85,14 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         model = load_model(model_dir, config.dtype, self.max_model_len, progress=progress)
         self.dtype = model.dtype
-        packed = pack_linears(model)
+        if config.quantization:
+            count = quantize_model(
+                model, config.quantization, config.quant_group_size, lm_head=config.quantize_lm_head
+            )
+            logger.info("quantized %d linear layers to %s", count, config.quantization)
+        packed = pack_linears(model)  # what is left in bfloat16 (e.g. lm_head)
         logger.info("prepacked %d linear layers", packed)
+        self.weight_bytes = weight_bytes(model)
         blocks = num_kv_blocks(config, self.model_config, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

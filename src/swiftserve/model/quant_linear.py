@@ -1,0 +1,208 @@
+"""INT8 / INT4 weight-only linear layers, swapped into a loaded model at load time.
+
+Each layer keeps only its quantized weight and picks a kernel by the number of rows:
+
+* few rows (decode): PyTorch's fused CPU kernels ``_weight_int8pack_mm`` and
+  ``_weight_int4pack_mm_for_cpu``, which read the small weight once per call; this is where
+  quantization pays, because decode streams every weight from memory once per step;
+* many rows (prefill, big batches): those kernels re-convert the weight for every small
+  tile of rows, so the layer dequantizes the weight once into the compute dtype and runs a
+  dense GEMM instead.
+
+The crossover sizes were measured on this machine (docs/benchmarks.md). Where a fused kernel
+is missing (another device, an odd shape), the dequantize-then-GEMM path serves every size:
+same API, same results up to float rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swiftserve.model.quant_ops import (
+    INT4_GROUP_SIZES,
+    METHODS,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4_pairs,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4_pairs,
+)
+
+logger = logging.getLogger(__name__)
+
+# Row counts up to which the fused kernels beat dequantize + dense GEMM (measured; see docstring).
+INT8_FUSED_MAX_ROWS = 4
+INT4_FUSED_MAX_ROWS = 16
+
+
+def _fused_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Int8Linear(nn.Module):
+    """Linear layer over an INT8 weight with one scale per output channel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        dtype = linear.weight.dtype
+        q, scale = quantize_int8(linear.weight.detach())
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale.to(dtype))
+        self.bias = linear.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer computes with, in the compute dtype."""
+        return dequantize_int8(self.qweight, self.scale).to(self.scale.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= INT8_FUSED_MAX_ROWS and _fused_ok(x):
+            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
+        else:
+            out = F.linear(x, self.qweight * self.scale[:, None])
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+class Int4Linear(nn.Module):
+    """Linear layer over an INT4 weight with a scale and a zero per group of input features."""
+
+    def __init__(self, linear: nn.Linear, group_size: int):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.group_size = group_size
+        dtype = linear.weight.dtype
+        q, scale, zero = quantize_int4(linear.weight.detach(), group_size)
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("zero", zero.to(dtype))
+        # [G, N, 2], the layout of the fused kernel; kept in sync with scale/zero above.
+        both = torch.stack([self.scale, self.zero], -1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", both)
+        self.fused = linear.weight.device.type == "cpu" and _int4_layout_known(self.out_features)
+        packed = (
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) if self.fused else pack_int4_pairs(q)
+        )
+        self.register_buffer("qweight", packed)
+        self.bias = linear.bias
+
+    def int4_values(self) -> torch.Tensor:
+        """The unpacked INT4 values [N, K] (int32 in [0, 15])."""
+        if self.fused:
+            return _unpack_cpu_int4(self.qweight, self.out_features, self.in_features)
+        return unpack_int4_pairs(self.qweight)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer computes with, in the compute dtype."""
+        return dequantize_int4(self.int4_values(), self.scale, self.zero).to(self.scale.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.shape[0] <= INT4_FUSED_MAX_ROWS and _fused_ok(x):
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
+            )
+        else:
+            out = F.linear(x, self.dequantized())
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{self.group_size}"
+
+
+def _unpack_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Undo PyTorch's AVX-512 int4 packing: blocks of 64 rows stored as [K, 32] bytes where
+    byte d < 16 holds rows (d, d + 32) and byte 16 + d holds rows (16 + d, 48 + d)."""
+    blocks = packed.view(n // 64, k, 32)
+    values = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [NB, K, 64]: rows 0..63 in order
+    return values.permute(0, 2, 1).reshape(n, k).to(torch.int32)
+
+
+_LAYOUT_CHECKED: dict[str, bool] = {}
+
+
+def _int4_layout_known(out_features: int) -> bool:
+    """True when the fused int4 kernel exists and its packing is the one we can undo.
+
+    The packing depends on the CPU's vector width, so it is verified once on a probe.
+    """
+    if out_features % 64:
+        return False
+    if "cpu" not in _LAYOUT_CHECKED:
+        try:
+            probe = torch.randint(
+                0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+            )
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+            _LAYOUT_CHECKED["cpu"] = torch.equal(_unpack_cpu_int4(packed, 128, 64), probe)
+        except (RuntimeError, AttributeError) as e:  # op missing from this build
+            logger.info("fused int4 kernel unavailable: %s", e)
+            _LAYOUT_CHECKED["cpu"] = False
+    return _LAYOUT_CHECKED["cpu"]
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 128, lm_head: bool = False) -> int:
+    """Swap the model's linear layers for quantized ones in place; returns how many.
+
+    ``lm_head`` stays in the compute dtype unless asked (embeddings always do).
+    """
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and (lm_head or not name.endswith("lm_head"))
+    ]
+    count = 0
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if method == "int8":
+            layer: nn.Module = Int8Linear(linear)
+        else:
+            group = int4_group_for(linear.in_features, group_size)
+            if group is None:
+                logger.warning(
+                    "%s: in_features %d fits no int4 group; left unquantized", name, linear.in_features
+                )
+                continue
+            if group != group_size:
+                logger.warning(
+                    "%s: in_features %d not a multiple of %d; using groups of %d",
+                    name,
+                    linear.in_features,
+                    group_size,
+                    group,
+                )
+            layer = Int4Linear(linear, group)
+        setattr(parent, child, layer)
+        count += 1
+    return count
+
+
+def int4_group_for(in_features: int, requested: int) -> int | None:
+    """The requested group size, or the largest smaller one dividing ``in_features``
+    (e.g. 576 features with groups of 128 use groups of 64); None when none does."""
+    for group in sorted((g for g in INT4_GROUP_SIZES if g <= requested), reverse=True):
+        if in_features % group == 0:
+            return group
+    return None
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers, each storage counted once (tied weights)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+    return total
