@@ -47,6 +47,9 @@ def _fused_ok(x: torch.Tensor) -> bool:
 class Int8Linear(nn.Module):
     """Linear layer over an INT8 weight with one scale per output channel."""
 
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features = linear.in_features
@@ -74,6 +77,11 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Linear layer over an INT4 weight with a scale and a zero per group of input features."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(self, linear: nn.Linear, group_size: int):
         super().__init__()
