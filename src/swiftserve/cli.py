@@ -1,4 +1,4 @@
-"""``swiftserve`` command line: serve | generate | bench | random-model."""
+"""``swiftserve`` command line: serve | generate | bench | eval | train-demo | random-model."""
 
 from __future__ import annotations
 
@@ -47,6 +47,25 @@ def _bench(args: argparse.Namespace) -> int:
 
     engine = {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "dtype")}
     throughput.main(args, engine)
+    return 0
+
+
+def _eval_perplexity(args: argparse.Namespace) -> int:
+    from swiftserve import evaluate
+
+    evaluate.main(args, {k: v for k, v in engine_kwargs(args).items() if k != "model"})
+    return 0
+
+
+def _train_demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from swiftserve.train_demo import TrainConfig, train_demo
+
+    cfg = TrainConfig()
+    overrides = {k: getattr(args, k) for k in ("steps", "seed", "threads") if getattr(args, k) is not None}
+    train_demo(args.out, replace(cfg, **overrides))
+    print(f"use it with: swiftserve serve --model {args.out}")
     return 0
 
 
@@ -121,6 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--model-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     rnd.add_argument("--model-seed", type=int, default=0)
     rnd.set_defaults(func=_random_model)
+
+    train = sub.add_parser("train-demo", help="train the demo model on the stdlib (about 13 min, 2 cores)")
+    train.add_argument("--out", required=True, help="checkpoint directory to write")
+    train.add_argument("--steps", type=int, default=None, help="optimiser steps (default 600)")
+    train.add_argument("--seed", type=int, default=None)
+    train.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default 2; results depend on it)"
+    )
+    train.set_defaults(func=_train_demo)
+
+    evl = sub.add_parser("eval", help="evaluations")
+    eval_sub = evl.add_subparsers(dest="eval_command", required=True)
+    ppl = eval_sub.add_parser("perplexity", help="perplexity from the engine's prompt logprobs")
+    add_engine_args(ppl)
+    importlib.import_module("swiftserve.evaluate").add_args(ppl)
+    ppl.set_defaults(func=_eval_perplexity)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(srv)

@@ -209,6 +209,9 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_mkldnn:  # oneDNN-packed weight: opaque storage, size from its shape
+            total += tensor.numel() * tensor.element_size()
+            continue
         key = tensor.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
