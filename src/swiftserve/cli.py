@@ -103,6 +103,13 @@ def _bench_batcher(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_quant(args: argparse.Namespace) -> int:
+    from swiftserve.bench import quant
+
+    quant.run(args)
+    return 0
+
+
 # (subcommand, module in swiftserve.bench with add_args(parser), help, handler, engine flags?)
 _BENCHES = [
     ("throughput", "throughput", "offline throughput, ours or transformers", _bench, True),
@@ -116,6 +123,7 @@ _BENCHES = [
         False,
     ),
     ("batcher", "batching", "adaptive vs fixed batching windows on a bursty trace", _bench_batcher, False),
+    ("quant", "quant", "float32 / bfloat16 / INT8 / INT4: memory, perplexity, speed", _bench_quant, False),
 ]
 
 

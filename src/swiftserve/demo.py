@@ -1,17 +1,15 @@
-"""Random Llama-family checkpoints in real Hugging Face layout, and the built-in demo model.
+"""Random Llama-family checkpoints in real Hugging Face layout, and where the demo model lives.
 
-Used by the demo (``make serve`` without ``--model``), by benchmarks (the SmolLM-135M-shaped
-preset) and by tests. Everything is deterministic: the tokenizer is a byte-level BPE
-trained on a fixed slice of this Python's standard library, the weights come from a seeded
-``transformers`` initialisation.
+The built-in demo (``make serve`` without ``--model``) is the trained checkpoint shipped in
+``swiftserve/demo_model`` (see ``train_demo.py`` and the README). The random checkpoints here
+serve benchmarks (the SmolLM-135M-shaped preset) and tests. Everything is deterministic: the
+tokenizer is a byte-level BPE trained on a fixed slice of this Python's standard library,
+the weights come from a seeded ``transformers`` initialisation.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sysconfig
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -52,7 +50,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=512,
     ),
 }
-DEMO_VERSION = "demo-llama-v1"
 _CORPUS_FILES = (
     "argparse.py",
     "ast.py",
@@ -140,25 +137,17 @@ def write_random_checkpoint(
     return out
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SWIFTSERVE_CACHE", Path.home() / ".cache" / "swiftserve"))
+DEMO_MODEL_DIR = Path(__file__).with_name("demo_model")
 
 
-def demo_model_dir(progress: bool = True) -> Path:
-    """The built-in demo checkpoint, generated on first use into the cache folder."""
-    target = cache_dir() / DEMO_VERSION
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print(f"Generating the demo model into {target} (first use only)...", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    write_random_checkpoint(tmp, preset="demo", dtype="float32", seed=0)
-    try:
-        os.replace(tmp, target)  # atomic: a concurrent builder either wins or finds it done
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+def demo_model_dir() -> Path:
+    """The built-in demo: the trained checkpoint shipped in the package (``swiftserve train-demo``)."""
+    if (DEMO_MODEL_DIR / "config.json").is_file():
+        return DEMO_MODEL_DIR
+    raise ValueError(
+        f"the built-in demo model is missing ({DEMO_MODEL_DIR}); pass --model DIR, or recreate it "
+        f"with `swiftserve train-demo --out {DEMO_MODEL_DIR}` (about 13 minutes on 2 cores)"
+    )
 
 
 def resolve_model(model: str | None) -> Path:

@@ -20,6 +20,8 @@ import numpy as np
 
 from swiftserve.corpus import HELDOUT_MODULUS, read_texts, split_files
 
+DEMO_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -151,6 +153,9 @@ def train_demo(out: str | Path, cfg: TrainConfig | None = None, progress: bool =
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
+    # Default sampling for requests that leave it unset (the server reads generation_config.json
+    # as vLLM does): a 12M-parameter model loops under greedy decoding.
+    model.generation_config.update(**DEMO_SAMPLING)
     model.to(getattr(torch, cfg.save_dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     report = {

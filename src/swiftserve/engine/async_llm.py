@@ -21,6 +21,7 @@ from swiftserve.core.messages import EngineCoreOutput
 from swiftserve.core.scheduler import fits_in_kv_pool
 from swiftserve.engine.core import EngineCoreRequest
 from swiftserve.engine.core_client import Abort, Add, ProcessCoreClient, ThreadCoreClient
+from swiftserve.engine.generation_config import default_sampling
 from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, ProcessedPrompt, Prompt
 from swiftserve.engine.llm import child_seed
 from swiftserve.engine.output_processor import OutputProcessor
@@ -49,6 +50,7 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         self.model_config = ModelConfig.from_dir(model_path)
+        self.default_sampling = default_sampling(model_path)
         # The core runs in its own process (msgspec over a pipe) or in a thread of this one.
         self.client: ThreadCoreClient | ProcessCoreClient = (
             ProcessCoreClient(config, model_path, progress)

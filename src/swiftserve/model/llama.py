@@ -6,6 +6,8 @@ loader maps Hugging Face's separate tensors into the fused weights.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,18 +18,35 @@ from swiftserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32, cast back (as Hugging Face's LlamaRMSNorm)."""
+    """RMS norm computed in float32, cast back (as Hugging Face's LlamaRMSNorm).
+
+    With ``residual``, first adds ``x`` into it and normalizes the sum, returning
+    ``(normed, residual)``: the residual stream is carried between layers this way so the
+    add and the norm are one fused kernel (``ops``) when the CPU kernels are built.
+    """
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps) if ops is not None else self._norm(x)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` and its norm (the fused kernel updates ``residual`` in place)."""
+        if ops is not None:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self._norm(residual), residual
 
 
 class Attention(nn.Module):
@@ -49,10 +68,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if meta.kernel is not None:  # rotate q and k in place inside the fused output
+            meta.kernel.rope_qk_(qkv, rope[0], rope[1], self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        if meta.kernel is None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -64,8 +88,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -77,9 +104,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+        """``h``: the previous layer's output (not yet added to ``residual``, which is None
+        before the first layer). Returns this layer's (output, residual)."""
+        ops = meta.kernel
+        if residual is None:
+            residual, h = h, self.input_layernorm(h, ops)
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual, ops)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, ops)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -121,11 +156,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat batch (logits are computed separately)."""
         assert self.rotary is not None, "call init_rotary() first"
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        h = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.model.norm(x)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
+        return self.model.norm.add_forward(h, residual, meta.kernel)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

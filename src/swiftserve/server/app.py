@@ -230,7 +230,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
         serving.require_engine()
         prompts = _completion_prompts(body.prompt)
         serving.check_limits(body, len(prompts), body.logprobs)
-        params = serving.sampling_params(lambda: body.to_sampling_params(None))
+        params = serving.sampling_params(lambda: body.to_sampling_params(serving.engine.default_sampling))
         ticket = serving.admit()
         try:
             processed = await serving.prepare(prompts, params)
@@ -245,7 +245,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
         if not body.messages:
             raise APIError(400, "messages: must not be empty", param="messages")
         serving.check_limits(body, 1, body.top_logprobs)
-        params = serving.sampling_params(lambda: body.to_sampling_params(None))
+        params = serving.sampling_params(lambda: body.to_sampling_params(serving.engine.default_sampling))
         ticket = serving.admit()
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,7 +45,8 @@ class _SamplingFields(_Strict):
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
 
-    def sampling_kwargs(self) -> dict[str, Any]:
+    def sampling_kwargs(self, defaults: Mapping[str, float]) -> dict[str, Any]:
+        """SamplingParams keywords; unset sampling fields take ``defaults`` (the checkpoint's)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         out: dict[str, Any] = {
             "n": self.n,
@@ -60,6 +62,8 @@ class _SamplingFields(_Strict):
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)  # the checkpoint's generation_config.json
             if value is not None:
                 out[name] = value
         return out
@@ -70,9 +74,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, float]) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else 16
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling_kwargs())
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling_kwargs(defaults))
 
 
 class TextPart(_Strict):
@@ -98,9 +102,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, float]) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if max_tokens is None:
-            max_tokens = default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.sampling_kwargs())
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.sampling_kwargs(defaults))

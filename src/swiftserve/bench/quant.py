@@ -1,0 +1,160 @@
+"""``swiftserve bench quant``: float32 / bfloat16 / INT8 / INT4 side by side, in one run.
+
+For each variant: weight memory, held-out perplexity (optional), single-stream time per output
+token, and output throughput at batch 32; beside them the physical limit of decode, i.e. the
+weight bytes one step must stream divided by the memory bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    "int4-g32": {"dtype": "bfloat16", "quantization": "int4", "quant_group_size": 32},
+    "int4-g64": {"dtype": "bfloat16", "quantization": "int4", "quant_group_size": 64},
+    "int4-g128": {"dtype": "bfloat16", "quantization": "int4", "quant_group_size": 128},
+}
+
+
+def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
+    """Best-of-N read bandwidth (GB/s) of a reduction over a buffer far larger than the caches."""
+    import torch
+
+    buf = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def _single_stream(llm: Any, prompt: list[int], output_len: int, repeats: int) -> float:
+    """Median time per output token (ms) of one request decoding alone."""
+    from swiftserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    tpots = []
+    for _ in range(repeats):
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        m = out.metrics
+        tpots.append((m.finished_time - m.first_token_time) * 1e3 / (output_len - 1))
+    return statistics.median(tpots)
+
+
+def _batch_throughput(llm: Any, prompts: list[list[int]], output_len: int) -> float:
+    from swiftserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def run_variant(args: argparse.Namespace, name: str, windows: list[list[int]] | None) -> dict[str, Any]:
+    import random
+
+    from swiftserve import LLM
+    from swiftserve.evaluate import engine_nll
+
+    llm = LLM(args.model, progress=False, max_num_seqs=args.batch_size, seed=0, **VARIANTS[name])
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(args.bench_seed)
+    prompts = [[rng.randrange(16, vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+    llm.generate({"prompt_token_ids": prompts[0][:8]}, use_tqdm=False)  # warm-up
+    row: dict[str, Any] = {"variant": name, "weight_bytes": llm.engine.weight_bytes}
+    if windows:
+        nll, count = engine_nll(llm, windows, progress=False)
+        row["perplexity"] = math.exp(nll / count)
+        row["perplexity_tokens"] = count
+    row["tpot_ms"] = _single_stream(llm, prompts[0], args.output_len, args.repeats)
+    row["batch_output_tokens_per_s"] = _batch_throughput(llm, prompts, args.output_len)
+    del llm
+    gc.collect()
+    return row
+
+
+def _heldout_windows(args: argparse.Namespace) -> list[list[int]] | None:
+    if args.perplexity_tokens <= 0:
+        return None
+    from swiftserve.demo import resolve_model
+    from swiftserve.engine.tokenizer import load_tokenizer
+    from swiftserve.evaluate import load_text, windows_of
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    ids = tokenizer.encode(load_text("held-out"), add_special_tokens=False)
+    return windows_of(ids, 512, args.perplexity_tokens)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm.auto import tqdm
+
+    names = [n.strip() for n in args.variants.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    bandwidth = read_bandwidth_gbs()
+    windows = _heldout_windows(args)
+    rows = [run_variant(args, name, windows) for name in tqdm(names, desc="variants")]
+    base = next((r for r in rows if r["variant"] == "bfloat16"), rows[0])
+    table = Table(title=f"bench quant: {args.model or 'demo model'} (read bandwidth {bandwidth:.1f} GB/s)")
+    for col in (
+        "variant",
+        "weights MB",
+        "perplexity",
+        "ms/token",
+        "limit ms",
+        "speed-up",
+        f"tok/s @{args.batch_size}",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        r["limit_ms"] = r["weight_bytes"] / (bandwidth * 1e9) * 1e3
+        r["speedup_vs_bf16"] = base["tpot_ms"] / r["tpot_ms"]
+        ppl = f"{r['perplexity']:.3f}" if "perplexity" in r else "-"
+        table.add_row(
+            r["variant"],
+            f"{r['weight_bytes'] / 1e6:.1f}",
+            ppl,
+            f"{r['tpot_ms']:.2f}",
+            f"{r['limit_ms']:.2f}",
+            f"{r['speedup_vs_bf16']:.2f}x",
+            f"{r['batch_output_tokens_per_s']:.0f}",
+        )
+    Console().print(table)
+    report = {
+        "model": args.model,
+        "read_bandwidth_gbs": bandwidth,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "batch_size": args.batch_size,
+        "rows": rows,
+    }
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--variants", default="float32,bfloat16,int8,int4-g32,int4-g128")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="single-stream runs (median)")
+    parser.add_argument("--perplexity-tokens", type=int, default=0, help="held-out tokens scored (0: skip)")
+    parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)

@@ -1,0 +1,17 @@
+// Python bindings of the CPU kernels (one extension module, several translation units).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
+                           torch::Tensor positions, double scale, int64_t window);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t d);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "fused paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm(residual)");
+  m.def("rope_qk_", &rope_qk_, "rotary embedding of q and k, in place in the fused qkv output");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a fused [T, 2I] gate_up output");
+}
