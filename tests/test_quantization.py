@@ -66,10 +66,20 @@ def test_both_kernel_paths_compute_with_the_dequantized_weight(kind: str, dtype:
     layer = Int8Linear(linear) if kind == "int8" else Int4Linear(linear, 32)
     weight = layer.dequantized().float()
     tol = 1e-4 if dtype == torch.float32 else 0.03  # bf16 output rounding on values of size ~2
-    for rows in (1, 3, 40):  # fused kernel for few rows, dequantize + GEMM for many
+    for rows in (1, 2, 3, 5, 40):  # fused kernel for few rows, dequantize + GEMM for many
         x = torch.randn(rows, 256).to(dtype)
         expected = F.linear(x.float(), weight, linear.bias.float())
         assert (layer(x).float() - expected).abs().max().item() < tol, rows
+
+
+def test_int8_kernel_layout_round_trips_and_is_used_here() -> None:
+    w = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
+    assert torch.equal(quant_linear.unpack_rows4(quant_linear.pack_rows4(w)), w)
+    layer = Int8Linear(nn.Linear(96, 64, bias=False))
+    if layer.kernel is None:
+        pytest.skip("CPU kernels not built here")
+    assert layer.qweight.shape == (16, 6, 4, 16)  # packed for the GEMV kernel
+    assert torch.equal(layer.int8_values(), quantize_int8(layer.dequantized().float())[0])
 
 
 def test_int4_unpacks_the_fused_kernel_layout() -> None:

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
-_SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "bindings.cpp")
+_SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "bindings.cpp")
 
 
 def paged_decode_kernel() -> ModuleType | None:
@@ -35,7 +35,7 @@ def paged_decode_kernel() -> ModuleType | None:
 
                 here = Path(__file__).parent
                 _module = load(
-                    name="swiftserve_cpu_kernels_v5",
+                    name="swiftserve_cpu_kernels_v6",
                     sources=[str(here / name) for name in _SOURCES],
                     # fast-math: vectorized expf (libmvec) and reassociated sums; the
                     # kernel is tested against the exact PyTorch path.

@@ -7,6 +7,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t d);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "fused paged decode attention (CPU)");
@@ -14,4 +15,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm(residual)");
   m.def("rope_qk_", &rope_qk_, "rotary embedding of q and k, in place in the fused qkv output");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a fused [T, 2I] gate_up output");
+  m.def("int8_gemv", &int8_gemv, "x @ (w * scale).T for a few rows x, int8 w, per-row scale");
 }
