@@ -40,7 +40,7 @@ class Server:
 
 @contextlib.contextmanager
 def running_server(
-    model: Path,
+    model: Path | None,
     *args: str,
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
@@ -53,8 +53,7 @@ def running_server(
         "-m",
         "swiftserve.cli",
         "serve",
-        "--model",
-        str(model),
+        *(["--model", str(model)] if model is not None else []),  # None: the built-in demo
         "--port",
         str(port),
         "--log-level",

@@ -39,8 +39,8 @@ from swiftserve.model.quant_ops import (
 logger = logging.getLogger(__name__)
 
 # Row counts up to which the fused kernels beat dequantize + dense GEMM (measured; see docstring).
-INT8_FUSED_MAX_ROWS = 16
-INT4_FUSED_MAX_ROWS = 16
+INT8_FUSED_MAX_ROWS = 32
+INT4_FUSED_MAX_ROWS = 128
 TILE_ROWS, TILE_K = 4, 16  # the packed layout of gemv.cpp
 
 
