@@ -13,7 +13,8 @@ Control law (all times in ms):
    the window is the largest ``w`` on a grid of 32 points in ``[0, max_wait]`` with
    ``w + c(n(w)) <= 0.8 T`` (20% headroom for queueing); 0 when none fits.
 4. Feedback. Every 16 completed items, P99 over the latencies of the last 2 s (at most
-   256) is compared with ``T``: above it the scale ``s`` is multiplied by 0.7; below
+   256) is compared with ``T``: above ``0.9 T`` the scale ``s`` is multiplied by 0.7 (the
+   10% margin absorbs the noise of a P99 estimated from a few hundred samples); below
    ``0.7 T`` it is multiplied by 1.15 (capped at 1.5); otherwise unchanged. ``s`` is floored
    at 0.05. The window is time-based so that a burst's breach stops weighing on the window
    once the burst is over. A breach only shrinks the window when at least half of the last
@@ -26,6 +27,8 @@ Control law (all times in ms):
 from __future__ import annotations
 
 from collections import deque
+
+BREACH_FRACTION = 0.9  # P99 above this fraction of the target shrinks the window
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -77,7 +80,7 @@ class AdaptiveWindow:
             self._since_feedback = 0
             p99 = percentile([lat for _, lat in self._latencies], 99)
             window_bound = sum(self._fired_by_window) >= len(self._fired_by_window) / 2
-            if p99 > self.target_p99_ms and window_bound:
+            if p99 > BREACH_FRACTION * self.target_p99_ms and window_bound:
                 self.scale = max(0.05, self.scale * 0.7)
             elif p99 < 0.7 * self.target_p99_ms:
                 self.scale = min(1.5, self.scale * 1.15)

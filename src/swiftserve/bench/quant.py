@@ -2,7 +2,9 @@
 
 For each variant: weight memory, held-out perplexity (optional), single-stream time per output
 token, and output throughput at batch 32; beside them the physical limit of decode, i.e. the
-weight bytes one step must stream divided by the memory bandwidth measured here.
+weight bytes one step must stream divided by the memory bandwidth measured here. All variants
+are loaded together and timed in turns (round-robin), because this machine's speed drifts
+by 10-30% over minutes and the ratios are what matter.
 """
 
 from __future__ import annotations
@@ -62,27 +64,50 @@ def _batch_throughput(llm: Any, prompts: list[list[int]], output_len: int) -> fl
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
-def run_variant(args: argparse.Namespace, name: str, windows: list[list[int]] | None) -> dict[str, Any]:
+def _build(args: argparse.Namespace, name: str) -> Any:
+    from swiftserve import LLM
+
+    max_len = max(513, args.input_len + args.output_len)  # 513: a 512-token perplexity window + 1
+    return LLM(
+        args.model, progress=False, max_num_seqs=args.batch_size, max_model_len=max_len, **VARIANTS[name]
+    )
+
+
+def measure(
+    args: argparse.Namespace, names: list[str], windows: list[list[int]] | None
+) -> list[dict[str, Any]]:
+    """Every variant loaded at once; timings taken round-robin so machine drift hits all alike."""
     import random
 
-    from swiftserve import LLM
+    from tqdm.auto import tqdm
+
     from swiftserve.evaluate import engine_nll
 
-    llm = LLM(args.model, progress=False, max_num_seqs=args.batch_size, seed=0, **VARIANTS[name])
-    vocab = llm.engine.model_config.vocab_size
+    llms = {name: _build(args, name) for name in tqdm(names, desc="loading variants")}
+    vocab = next(iter(llms.values())).engine.model_config.vocab_size
     rng = random.Random(args.bench_seed)
     prompts = [[rng.randrange(16, vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
-    llm.generate({"prompt_token_ids": prompts[0][:8]}, use_tqdm=False)  # warm-up
-    row: dict[str, Any] = {"variant": name, "weight_bytes": llm.engine.weight_bytes}
-    if windows:
-        nll, count = engine_nll(llm, windows, progress=False)
-        row["perplexity"] = math.exp(nll / count)
-        row["perplexity_tokens"] = count
-    row["tpot_ms"] = _single_stream(llm, prompts[0], args.output_len, args.repeats)
-    row["batch_output_tokens_per_s"] = _batch_throughput(llm, prompts, args.output_len)
-    del llm
+    rows = {name: {"variant": name, "weight_bytes": llm.engine.weight_bytes} for name, llm in llms.items()}
+    for name, llm in llms.items():
+        llm.generate({"prompt_token_ids": prompts[0][:8]}, use_tqdm=False)  # warm-up
+        if windows:
+            nll, count = engine_nll(llm, windows, progress=False)
+            rows[name].update(perplexity=math.exp(nll / count), perplexity_tokens=count)
+    tpots: dict[str, list[float]] = {name: [] for name in names}
+    for _ in tqdm(range(args.repeats), desc="single stream, round-robin"):
+        for name, llm in llms.items():
+            tpots[name].append(_single_stream(llm, prompts[0], args.output_len, 1))
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for _ in tqdm(range(args.batch_rounds), desc=f"batch {args.batch_size}, round-robin"):
+        for name, llm in llms.items():
+            rates[name].append(_batch_throughput(llm, prompts, args.output_len))
+    for name in names:
+        rows[name]["tpot_ms"] = statistics.median(tpots[name])
+        rows[name]["tpot_ms_all"] = tpots[name]
+        rows[name]["batch_output_tokens_per_s"] = statistics.median(rates[name])
+    del llms
     gc.collect()
-    return row
+    return [rows[name] for name in names]
 
 
 def _heldout_windows(args: argparse.Namespace) -> list[list[int]] | None:
@@ -100,7 +125,6 @@ def _heldout_windows(args: argparse.Namespace) -> list[list[int]] | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
-    from tqdm.auto import tqdm
 
     names = [n.strip() for n in args.variants.split(",")]
     unknown = [n for n in names if n not in VARIANTS]
@@ -108,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     bandwidth = read_bandwidth_gbs()
     windows = _heldout_windows(args)
-    rows = [run_variant(args, name, windows) for name in tqdm(names, desc="variants")]
+    rows = measure(args, names, windows)
     base = next((r for r in rows if r["variant"] == "bfloat16"), rows[0])
     table = Table(title=f"bench quant: {args.model or 'demo model'} (read bandwidth {bandwidth:.1f} GB/s)")
     for col in (
@@ -154,7 +178,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="single-stream runs (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="single-stream rounds (median)")
+    parser.add_argument("--batch-rounds", type=int, default=2, help="batch rounds (median)")
     parser.add_argument("--perplexity-tokens", type=int, default=0, help="held-out tokens scored (0: skip)")
     parser.add_argument("--bench-seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)

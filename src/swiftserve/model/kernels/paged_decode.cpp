@@ -48,7 +48,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
   const int64_t* pp = positions.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), acc(G * D), kf(D), vf(D), inv(G), scores;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / KVH, h = work % KVH;
       const int64_t pos = pp[b];
@@ -73,10 +73,11 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
             __builtin_prefetch(nv + off);
           }
         }
-        for (int64_t g = 0; g < G; ++g) scores[g * len + (t - first)] = dot(&qf[g * D], k, D);
+        // Widen the K row once and reuse it for the G query heads that share this KV head.
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
+        for (int64_t g = 0; g < G; ++g) scores[g * len + (t - first)] = dot(&qf[g * D], kf.data(), D);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> inv(G), vf(D);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = &scores[g * len];
         float m = sg[0];  // len >= 1: the query attends at least to itself
