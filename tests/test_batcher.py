@@ -258,3 +258,17 @@ def test_adaptive_window_law() -> None:
         w.observe_latency(100.0)
     assert w.window_ms() < window
     assert AdaptiveWindow(16, 5, None).window_ms() <= 5  # max_wait_ms is a hard cap
+
+
+def test_noisy_batch_costs_get_a_tail_margin() -> None:
+    steady = AdaptiveWindow(max_batch_size=32, max_wait_ms=100, target_p99_ms=60)
+    noisy = AdaptiveWindow(max_batch_size=32, max_wait_ms=100, target_p99_ms=60)
+    for i in range(200):  # one item every 4 ms: filling 32 items would take 124 ms
+        steady.observe_arrival(4.0 * i)
+        noisy.observe_arrival(4.0 * i)
+    for i, n in enumerate((1, 4, 8, 16) * 8):  # same mean cost 2 + 0.5 n; one of them +-5 ms
+        steady.observe_batch(n, 2 + 0.5 * n)
+        noisy.observe_batch(n, 2 + 0.5 * n + (5 if (i // 4) % 2 else -5))
+    assert steady.cost_spread_ms() == pytest.approx(0.0, abs=1e-9)
+    assert noisy.cost_spread_ms() == pytest.approx(5.0, rel=0.05)
+    assert noisy.window_ms() < steady.window_ms()

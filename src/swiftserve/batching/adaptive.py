@@ -11,7 +11,9 @@ Control law (all times in ms):
    items; an item's latency is at most about ``w + c(n(w))``. Without a target the window
    is the time to fill a full batch, ``(max_batch - 1) / lam``. With ``target_p99_ms = T``
    the window is the largest ``w`` on a grid of 32 points in ``[0, max_wait]`` with
-   ``w + c(n(w)) <= 0.8 T`` (20% headroom for queueing); 0 when none fits.
+   ``w + c(n(w)) + 2 sigma <= 0.8 T`` (20% headroom for queueing; ``sigma`` is the RMS
+   residual of the cost fit, so a model whose batches vary in cost gets a tail margin,
+   while a steady one gets none); 0 when none fits.
 4. Feedback. Every 16 completed items, P99 over the latencies of the last 2 s (at most
    256) is compared with ``T``: above ``0.9 T`` the scale ``s`` is multiplied by 0.7 (the
    10% margin absorbs the noise of a P99 estimated from a few hundred samples); below
@@ -109,6 +111,12 @@ class AdaptiveWindow:
         slope = max(slope, 0.0)
         return max(mean_c - slope * mean_s, 0.0) + slope * n
 
+    def cost_spread_ms(self) -> float:
+        """RMS residual of the measured costs around the fitted ``c(n)``."""
+        if len(self._costs) < 2:
+            return 0.0
+        return (sum((c - self.cost_ms(n)) ** 2 for n, c in self._costs) / len(self._costs)) ** 0.5
+
     def _model_window(self) -> float:
         lam = self.arrival_rate_per_ms
         if lam <= 0:
@@ -116,7 +124,7 @@ class AdaptiveWindow:
         fill_ms = (self.max_batch_size - 1) / lam
         if self.target_p99_ms is None:
             return fill_ms
-        budget = 0.8 * self.target_p99_ms
+        budget = 0.8 * self.target_p99_ms - 2 * self.cost_spread_ms()
         best = 0.0
         for i in range(33):
             w = min(fill_ms, self.max_wait_ms) * i / 32
