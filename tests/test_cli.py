@@ -78,3 +78,16 @@ def test_bench_reliability_help() -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench", "reliability", "--help"])
     assert info.value.code == 0
+
+
+def test_bench_quant_smoke(llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "quant.json"
+    argv = ["bench", "quant", "--model", str(llama_dir), "--variants", "bfloat16,int8,int4-g32",
+            "--input-len", "8", "--output-len", "4", "--batch-size", "2", "--repeats", "1",
+            "--batch-rounds", "1", "--perplexity-tokens", "300", "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["int8"]["weight_bytes"] < rows["bfloat16"]["weight_bytes"]
+    assert rows["int4-g32"]["weight_bytes"] < rows["int8"]["weight_bytes"]
+    for row in rows.values():
+        assert row["perplexity"] > 1 and row["tpot_ms"] > 0 and row["batch_output_tokens_per_s"] > 0

@@ -146,3 +146,24 @@ def test_quantized_engine_equals_engine_on_dequantized_weights(
         lp_b = [b.outputs[0].logprobs[j][t].logprob for j, t in enumerate(b.outputs[0].token_ids)]
         assert lp_a == pytest.approx(lp_b, abs=1e-4)
     assert quantized.engine.weight_bytes < reference.engine.weight_bytes
+
+
+def test_serve_and_generate_take_quantization_flags(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import openai
+
+    from server_utils import running_server
+    from swiftserve.cli import main
+
+    offline = LLM(str(llama_dir), progress=False, max_model_len=256, quantization="int8")
+    want = offline.generate("def f(x):", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    args = ("--max-model-len", "256", "--quantization", "int8", "--served-model-name", "q")
+    with running_server(llama_dir, *args, log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        got = client.completions.create(model="q", prompt="def f(x):", max_tokens=8, temperature=0.0)
+    assert got.choices[0].text == want[0].outputs[0].text
+    argv = ["generate", "--model", str(llama_dir), "--quantization", "int4", "--quant-group-size", "32",
+            "--prompt", "def f(x):", "--max-tokens", "4"]  # fmt: skip
+    assert main(argv) == 0
+    assert "finish_reason: length, tokens: 4" in capsys.readouterr().out

@@ -67,7 +67,7 @@ def _batch_throughput(llm: Any, prompts: list[list[int]], output_len: int) -> fl
 def _build(args: argparse.Namespace, name: str) -> Any:
     from swiftserve import LLM
 
-    max_len = max(513, args.input_len + args.output_len)  # 513: a 512-token perplexity window + 1
+    max_len = max(args.context_len + 1, args.input_len + args.output_len)  # a window + 1 token
     return LLM(
         args.model, progress=False, max_num_seqs=args.batch_size, max_model_len=max_len, **VARIANTS[name]
     )
@@ -119,7 +119,7 @@ def _heldout_windows(args: argparse.Namespace) -> list[list[int]] | None:
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     ids = tokenizer.encode(load_text("held-out"), add_special_tokens=False)
-    return windows_of(ids, 512, args.perplexity_tokens)
+    return windows_of(ids, args.context_len, args.perplexity_tokens)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,6 +130,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    from swiftserve.demo import resolve_model
+    from swiftserve.model.config import ModelConfig
+
+    # Perplexity windows of 512 tokens, or shorter where the model's positions end sooner.
+    args.context_len = min(512, ModelConfig.from_dir(resolve_model(args.model)).max_position_embeddings - 1)
     bandwidth = read_bandwidth_gbs()
     windows = _heldout_windows(args)
     rows = measure(args, names, windows)
