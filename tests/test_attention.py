@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from swiftserve.model.attention import AttentionMetadata, _decode
-from swiftserve.model.kernels import paged_decode_kernel
+from swiftserve.model.kernels import cpu_kernels
 
-KERNEL = paged_decode_kernel()
+KERNEL = cpu_kernels()
 
 
 def make_case(dtype: torch.dtype, window: int | None, seed: int = 0):  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class TrainConfig:
     seed: int = 0
     threads: int = 2
     save_dtype: str = "bfloat16"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio * peak_lr``."""

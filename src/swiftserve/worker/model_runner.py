@@ -15,7 +15,7 @@ import torch
 
 from swiftserve.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata, PrefillSegment
-from swiftserve.model.kernels import paged_decode_kernel
+from swiftserve.model.kernels import cpu_kernels
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.worker.sampler import Sampler, SamplingState, logprob_entries
 
@@ -62,7 +62,7 @@ class ModelRunner:
         self._pos_t = torch.from_numpy(self._pos)
         self._slots_t = torch.from_numpy(self._slots)
         self.sampler = Sampler(seed)
-        self.kernel = paged_decode_kernel() if use_kernels else None
+        self.kernel = cpu_kernels() if use_kernels else None
         self.states: dict[str, SamplingState] = {}
 
     # ---- request state -------------------------------------------------------------------

@@ -19,7 +19,7 @@ _failed = False
 _SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "bindings.cpp")
 
 
-def paged_decode_kernel() -> ModuleType | None:
+def cpu_kernels() -> ModuleType | None:
     """The compiled module (``paged_decode``, ``rms_norm``, ``add_rms_norm``, ``rope_qk_``,
     ``silu_and_mul``), or None when unavailable."""
     global _module, _failed
@@ -44,9 +44,7 @@ def paged_decode_kernel() -> ModuleType | None:
                     verbose=False,
                 )
             except Exception as e:  # any build failure means: use the PyTorch path
-                logger.warning("CPU attention kernel unavailable (%s); using PyTorch path", e)
+                logger.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
                 _failed = True
     return _module
 
-
-cpu_kernels = paged_decode_kernel  # the same loader, under a name that says what it returns
