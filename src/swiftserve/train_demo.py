@@ -129,8 +129,13 @@ def _train_loop(model: Any, stream: np.ndarray, cfg: TrainConfig, progress: bool
     return losses
 
 
-def train_demo(out: str | Path, cfg: TrainConfig | None = None, progress: bool = True) -> Path:
-    """Train the demo model and write a Hugging Face checkpoint directory to ``out``."""
+def train_demo(
+    out: str | Path, cfg: TrainConfig | None = None, progress: bool = True, max_files: int | None = None
+) -> Path:
+    """Train the demo model and write a Hugging Face checkpoint directory to ``out``.
+
+    ``max_files`` keeps only the first training files (for quick tests).
+    """
     import torch
 
     from swiftserve.demo import build_tokenizer
@@ -139,6 +144,7 @@ def train_demo(out: str | Path, cfg: TrainConfig | None = None, progress: bool =
     started = time.perf_counter()
     torch.set_num_threads(cfg.threads)
     train_files, heldout_files = split_files()
+    train_files = train_files[:max_files]
     texts = list(read_texts(train_files))
     if progress:
         print(f"Corpus: {len(texts)} train files, {len(heldout_files)} held out; training the tokenizer...")
