@@ -11,9 +11,10 @@ from swiftserve.model.kernels import cpu_kernels
 KERNEL = cpu_kernels()
 
 
-def make_case(dtype: torch.dtype, window: int | None, seed: int = 0):  # type: ignore[no-untyped-def]
+def make_case(dtype: torch.dtype, window: int | None, seed: int = 0, shape=(6, 2, 32)):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
-    batch, heads, kv_heads, dim, bs, num_blocks = 5, 6, 2, 32, 4, 64
+    heads, kv_heads, dim = shape
+    batch, bs, num_blocks = 5, 4, 64
     k_cache = torch.randn(kv_heads, num_blocks, bs, dim, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     positions = torch.tensor([0, 3, 17, 30, 9])
@@ -67,11 +68,19 @@ def test_torch_path_matches_reference(dtype: torch.dtype, window: int | None) ->
     )
 
 
+# (heads, kv_heads, head_dim): head_dim 64 with 1-4 query heads per KV head takes the
+# register-resident AVX-512 path; the others the generic loops.
+SHAPES = [(6, 2, 32), (9, 3, 64), (4, 4, 64), (8, 2, 64), (10, 2, 64)]
+
+
 @pytest.mark.skipif(KERNEL is None, reason="C++ kernel could not be built here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}-kv{k}-d{d}" for h, k, d in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_matches_reference(dtype: torch.dtype, window: int | None) -> None:
-    q, kc, vc, meta = make_case(dtype, window, seed=1)
+def test_kernel_matches_reference(
+    dtype: torch.dtype, window: int | None, shape: tuple[int, int, int]
+) -> None:
+    q, kc, vc, meta = make_case(dtype, window, seed=1, shape=shape)
     meta.kernel = KERNEL
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(

@@ -10,6 +10,10 @@
 #include <vector>
 
 #include <cstring>
+#include <type_traits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 // bf16 -> float is a 16-bit shift; written out so the compiler can vectorize it.
 static inline float to_f(c10::BFloat16 x) {
@@ -34,6 +38,67 @@ static inline float dot(const float* q, const T* k, int64_t n) {
   return s;
 }
 
+#ifdef __AVX512F__
+// Register-resident path for head_dim 64 and up to 4 query heads per KV head (Llama, Qwen2,
+// SmolLM shapes): q, the K/V row and the G output accumulators stay in zmm registers. The
+// generic loops below keep the accumulators in memory and widen rows through a scratch
+// array; with K/V hot in cache they ran at ~32 GFLOP/s (0.88 ms per layer at batch 64).
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+template <int G, typename T>
+static void scores_d64(const float* qf, const T* const* krows, int64_t len, float* scores) {
+  __m512 q[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) q[g][c] = _mm512_loadu_ps(qf + g * 64 + 16 * c);
+  for (int64_t i = 0; i < len; ++i) {
+    __m512 kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = load16(krows[i] + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
+      for (int c = 1; c < 4; ++c) acc = _mm512_fmadd_ps(q[g][c], kv[c], acc);
+      scores[g * len + i] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <int G, typename T>
+static void values_d64(const float* probs, const T* const* vrows, int64_t len, float* acc_out) {
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; ++i) {
+    __m512 vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = load16(vrows[i] + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * len + i]);
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + g * 64 + 16 * c, a[g][c]);
+}
+
+template <typename T>
+static bool fast_path(int64_t G, const float* qf, const T* const* krows, const T* const* vrows,
+                      int64_t len, float* scores, float* acc, bool values) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    return false;
+  } else {
+    switch (G) {
+      case 1: values ? values_d64<1>(scores, vrows, len, acc) : scores_d64<1>(qf, krows, len, scores); return true;
+      case 2: values ? values_d64<2>(scores, vrows, len, acc) : scores_d64<2>(qf, krows, len, scores); return true;
+      case 3: values ? values_d64<3>(scores, vrows, len, acc) : scores_d64<3>(qf, krows, len, scores); return true;
+      case 4: values ? values_d64<4>(scores, vrows, len, acc) : scores_d64<4>(qf, krows, len, scores); return true;
+      default: return false;
+    }
+  }
+}
+#endif
+
 template <typename T>
 static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                         const torch::Tensor& tables, const torch::Tensor& positions,
@@ -49,12 +114,15 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
   T* op = out.data_ptr<T>();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(D), vf(D), inv(G), scores;
+    std::vector<const T*> krows, vrows;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / KVH, h = work % KVH;
       const int64_t pos = pp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       const int64_t len = pos + 1 - first;
       scores.assign(G * len, 0.f);
+      krows.resize(len);
+      vrows.resize(len);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(qp[(b * H + h * G + g) * D + d]) * static_cast<float>(scale);
@@ -73,9 +141,19 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
             __builtin_prefetch(nv + off);
           }
         }
-        // Widen the K row once and reuse it for the G query heads that share this KV head.
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
-        for (int64_t g = 0; g < G; ++g) scores[g * len + (t - first)] = dot(&qf[g * D], kf.data(), D);
+        krows[t - first] = k;
+        vrows[t - first] = vp + ((h * NB + block) * BS + t % BS) * D;
+      }
+      bool fast = false;
+#ifdef __AVX512F__
+      fast = D == 64 && fast_path<T>(G, qf.data(), krows.data(), vrows.data(), len, scores.data(), acc.data(), false);
+#endif
+      if (!fast) {
+        for (int64_t i = 0; i < len; ++i) {
+          // Widen the K row once and reuse it for the G query heads that share this KV head.
+          for (int64_t d = 0; d < D; ++d) kf[d] = to_f(krows[i][d]);
+          for (int64_t g = 0; g < G; ++g) scores[g * len + i] = dot(&qf[g * D], kf.data(), D);
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {
@@ -91,14 +169,17 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
         }
         inv[g] = 1.f / sum;
       }
-      for (int64_t t = first; t <= pos; ++t) {
-        const int64_t block = tp[b * MAXNB + t / BS];
-        const T* v = vp + ((h * NB + block) * BS + t % BS) * D;
-        for (int64_t d = 0; d < D; ++d) vf[d] = to_f(v[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + (t - first)];
-          float* a = &acc[g * D];
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vf[d];
+#ifdef __AVX512F__
+      if (fast) fast_path<T>(G, qf.data(), krows.data(), vrows.data(), len, scores.data(), acc.data(), true);
+#endif
+      if (!fast) {
+        for (int64_t i = 0; i < len; ++i) {
+          for (int64_t d = 0; d < D; ++d) vf[d] = to_f(vrows[i][d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * len + i];
+            float* a = &acc[g * D];
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vf[d];
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
