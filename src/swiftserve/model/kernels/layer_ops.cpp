@@ -8,6 +8,10 @@
 #include <c10/util/Half.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -15,6 +19,40 @@ template <typename T>
 inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
 template <>
 inline float rnd<float>(float x) { return x; }
+
+#ifdef __AVX512F__
+// 16 bfloat16 <-> float32 lanes, rounding to nearest even like c10::BFloat16 (finite values).
+inline __m512 bf16_load(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512i bf16_bits(__m512 x) {  // rounded value in the high 16 bits
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+}
+inline __m512 bf16_round(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(x), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void bf16_store(c10::BFloat16* p, __m512 x) {
+  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(x), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+}
+
+// The bfloat16 rotary of one head, 16 pairs at a time (half % 16 == 0).
+inline void rope_head_bf16(c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 x1 = bf16_load(x + i), x2 = bf16_load(x + i + half);
+    const __m512 c1 = bf16_load(c + i), s1 = bf16_load(s + i);
+    const __m512 c2 = bf16_load(c + i + half), s2 = bf16_load(s + i + half);
+    const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+    const __m512 a = _mm512_add_ps(bf16_round(_mm512_mul_ps(x1, c1)), bf16_round(_mm512_mul_ps(neg_x2, s1)));
+    const __m512 b = _mm512_add_ps(bf16_round(_mm512_mul_ps(x2, c2)), bf16_round(_mm512_mul_ps(x1, s2)));
+    bf16_store(x + i, a);
+    bf16_store(x + i + half, b);
+  }
+}
+#endif
 
 // out[r] = weight * to_T(x32 * rsqrt(mean(x32^2) + eps)) for each row r.
 template <typename T>
@@ -59,6 +97,14 @@ void rope_rows(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t width, 
       const T* s = sin + t * d;
       for (int64_t h = 0; h < heads; ++h) {
         T* x = qkv + t * width + h * d;
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (half % 16 == 0) {
+            rope_head_bf16(x, c, s, half);
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
           const float a = rnd<T>(x1 * static_cast<float>(c[i])) + rnd<T>(-x2 * static_cast<float>(s[i]));
