@@ -33,16 +33,19 @@ def test_bench_throughput_both_backends(llama_dir: Path, tmp_path: Path) -> None
         "swiftserve,hf",
         "--hf-batch-size",
         "2",
+        "--rounds",
+        "2",
         "--output-json",
         str(out),
     ]
     assert main(args) == 0
     report = json.loads(out.read_text())
-    assert [r["backend"] for r in report["runs"]] == ["swiftserve", "hf"]
+    assert [r["backend"] for r in report["runs"]] == ["swiftserve", "hf", "swiftserve", "hf"]  # alternated
     for run in report["runs"]:
         assert run["output_tokens"] == 16 and run["output_tokens_per_s"] > 0
         assert {"num_prompts", "elapsed_s", "total_tokens_per_s"} <= set(run)
-    assert report["ratio_output_tokens_per_s"] > 0
+    assert len(report["ratios_per_round"]) == 2
+    assert report["ratio_output_tokens_per_s"] == pytest.approx(sum(report["ratios_per_round"]) / 2)
 
 
 def test_user_errors_are_one_line(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -97,12 +97,18 @@ def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
     unknown = set(backends) - {"swiftserve", "hf"}
     if unknown:
         raise ValueError(f"--backend: unknown {sorted(unknown)}; use swiftserve, hf or both")
-    reports = [_run_one(args, engine, backend) for backend in backends]
-    if len(reports) == 1:
-        result = reports[0]
+    # Rounds alternate the backends (A B A B ...): this machine's speed drifts by tens of
+    # percent within minutes, so one A-then-B pair can land on either side of a drift.
+    rounds = [[_run_one(args, engine, backend) for backend in backends] for _ in range(args.rounds)]
+    if len(backends) == 1 and args.rounds == 1:
+        result = rounds[0][0]
     else:
-        base = reports[-1]["output_tokens_per_s"]
-        result = {"runs": reports, "ratio_output_tokens_per_s": reports[0]["output_tokens_per_s"] / base}
+        ratios = [r[0]["output_tokens_per_s"] / r[-1]["output_tokens_per_s"] for r in rounds]
+        result = {
+            "runs": [run for r in rounds for run in r],
+            "ratio_output_tokens_per_s": statistics.median(ratios),
+            "ratios_per_round": ratios,
+        }
     print(json.dumps(result, indent=2))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
@@ -145,5 +151,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="swiftserve, hf, or both comma-separated (run side by side, with a ratio)",
     )
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the backends this many times")
     parser.add_argument("--bench-seed", dest="seed", type=int, default=0)
     parser.add_argument("--output-json", type=str, default=None)
