@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "perplexity",
         "ms/token",
         "limit ms",
-        "speed-up",
+        "speed-up*",
         f"tok/s @{args.batch_size}",
     ):
         table.add_column(col, justify="right")
