@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,28 +27,18 @@ def test_heldout_split_is_fixed_and_disjoint() -> None:
     assert HELDOUT_MODULUS == 20  # changing the rule changes the published perplexities
 
 
+def run_eval(model: Path, out: Path, *flags: str) -> dict[str, Any]:
+    """``swiftserve eval perplexity`` through the CLI; returns its JSON report."""
+    argv = ["eval", "perplexity", "--model", str(model), "--output-json", str(out), "--quiet", *flags]
+    assert main(argv) == 0
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_perplexity_matches_transformers(llama_dir: Path, tmp_path: Path, dtype: str) -> None:
-    out = tmp_path / "ppl.json"
-    argv = [
-        "eval",
-        "perplexity",
-        "--model",
-        str(llama_dir),
-        "--dtype",
-        dtype,
-        "--context-len",
-        "128",
-        "--max-eval-tokens",
-        "1500",
-        "--reference",
-        "hf",
-        "--output-json",
-        str(out),
-        "--quiet",
-    ]
-    assert main(argv) == 0
-    report = json.loads(out.read_text())
+    flags = ("--dtype", dtype, "--context-len", "128", "--max-eval-tokens", "1500", "--reference", "hf")
+    report = run_eval(llama_dir, tmp_path / "ppl.json", *flags)
     assert report["tokens"] == 1500 - 12  # 12 windows (the last one shorter), first token of each unscored
     assert report["perplexity"] > 1
     tolerance = 1e-5 if dtype == "float32" else 5e-3  # the issue asks for 0.5%
@@ -55,25 +46,7 @@ def test_perplexity_matches_transformers(llama_dir: Path, tmp_path: Path, dtype:
 
 
 def test_quantized_perplexity_is_reported(llama_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "ppl.json"
-    argv = [
-        "eval",
-        "perplexity",
-        "--model",
-        str(llama_dir),
-        "--dtype",
-        "float32",
-        "--quantization",
-        "int4",
-        "--quant-group-size",
-        "32",
-        "--max-eval-tokens",
-        "600",
-        "--output-json",
-        str(out),
-        "--quiet",
-    ]
-    assert main(argv) == 0
-    report = json.loads(out.read_text())
+    quant = ("--quantization", "int4", "--quant-group-size", "32")
+    report = run_eval(llama_dir, tmp_path / "ppl.json", "--dtype", "float32", *quant, "--max-eval-tokens", "600")
     assert report["quantization"] == "int4" and report["quant_group_size"] == 32
     assert report["tokens"] > 500 and report["weight_bytes"] > 0
