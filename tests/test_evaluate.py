@@ -46,7 +46,7 @@ def test_perplexity_matches_transformers(llama_dir: Path, tmp_path: Path, dtype:
 
 
 def test_quantized_perplexity_is_reported(llama_dir: Path, tmp_path: Path) -> None:
-    quant = ("--quantization", "int4", "--quant-group-size", "32")
-    report = run_eval(llama_dir, tmp_path / "ppl.json", "--dtype", "float32", *quant, "--max-eval-tokens", "600")
+    flags = ("--dtype", "float32", "--quantization", "int4", "--quant-group-size", "32")
+    report = run_eval(llama_dir, tmp_path / "ppl.json", *flags, "--max-eval-tokens", "600")
     assert report["quantization"] == "int4" and report["quant_group_size"] == 32
     assert report["tokens"] > 500 and report["weight_bytes"] > 0
