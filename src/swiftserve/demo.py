@@ -101,6 +101,12 @@ def build_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Any:
     )
 
 
+def model_config(config_cls: Any, tokenizer: Any, **params: Any) -> Any:
+    """A ``transformers`` config whose special token ids are the ChatML tokenizer's."""
+    eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    return config_cls(**params, eos_token_id=eos, bos_token_id=None, pad_token_id=eos[1])
+
+
 def write_random_checkpoint(
     out: str | Path,
     *,
@@ -124,8 +130,7 @@ def write_random_checkpoint(
     }[architecture]
     params = {**PRESETS[preset], **overrides}
     tokenizer = build_tokenizer(params["vocab_size"])
-    eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = config_cls(**params, eos_token_id=eos, bos_token_id=None, pad_token_id=eos[1])
+    config = model_config(config_cls, tokenizer, **params)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(getattr(torch, dtype))

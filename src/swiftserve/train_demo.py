@@ -73,19 +73,12 @@ def _build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
     import torch
     import transformers
 
-    eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
-        eos_token_id=eos,
-        bos_token_id=None,
-        pad_token_id=eos[1],
+    from swiftserve.demo import model_config
+
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+    config = model_config(
+        transformers.LlamaConfig, tokenizer, tie_word_embeddings=True, **{k: getattr(cfg, k) for k in shape}
     )
     torch.manual_seed(cfg.seed)
     return transformers.LlamaForCausalLM(config)
