@@ -47,4 +47,3 @@ def cpu_kernels() -> ModuleType | None:
                 logger.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
                 _failed = True
     return _module
-
