@@ -99,6 +99,128 @@ static bool fast_path(int64_t G, const float* qf, const T* const* krows, const T
 }
 #endif
 
+#ifdef __AVX512BF16__
+// AVX512-BF16 path (bf16 caches, head_dim 64, 1-4 query heads per KV head): vdpbf16ps takes
+// the bf16 rows as they are (no widening), and 16 tokens' partial sums are reduced together
+// by a transpose tree instead of one horizontal sum per token. The probabilities are rounded
+// to bf16 for the P.V products, as PyTorch's CPU flash attention does for bf16 inputs.
+static inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// out[j] = sum of the 16 lanes of v[j], for j = 0..15.
+static inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // u[i], 128-bit chunk k: four partial sums of v[4i + k]
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512d a = _mm512_castps_pd(w0), b = _mm512_castps_pd(w1);
+  // lane 4k + m now holds the sum of v[4m + k]
+  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(idx, x);
+}
+
+template <int G>
+static void scores_bf16(const c10::BFloat16* q, const c10::BFloat16* const* krows, int64_t len,
+                        float scale, float* scores, const c10::BFloat16* const* vrows) {
+  __m512bh qv[G][2];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2; ++c) qv[g][c] = as_bh(_mm512_loadu_si512(q + g * 64 + 32 * c));
+  const __m512 sc = _mm512_set1_ps(scale);
+  auto fetch = [&](const c10::BFloat16* const* rows, int64_t from, int64_t to) {
+    for (int64_t r = from; r < std::min(to, len); ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r] + 32), _MM_HINT_T0);
+    }
+  };
+  fetch(krows, 0, 32);
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    fetch(krows, i + 32, i + 48);  // K two chunks ahead
+    fetch(vrows, i, i + 16);       // V for the second pass
+    for (int g = 0; g < G; ++g) {  // the 16 rows stay in L1 across the G heads
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const __m512i k0 = _mm512_loadu_si512(krows[i + j]);
+        const __m512i k1 = _mm512_loadu_si512(krows[i + j] + 32);
+        acc[j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], as_bh(k0)), qv[g][1],
+                                  as_bh(k1));
+      }
+      _mm512_storeu_ps(scores + g * len + i, _mm512_mul_ps(reduce16(acc), sc));
+    }
+  }
+  for (; i < len; ++i) {
+    const __m512i k0 = _mm512_loadu_si512(krows[i]);
+    const __m512i k1 = _mm512_loadu_si512(krows[i] + 32);
+    for (int g = 0; g < G; ++g) {
+      const __m512 a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], as_bh(k0)),
+                                        qv[g][1], as_bh(k1));
+      scores[g * len + i] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+}
+
+// acc_out[g * 64 + d] = sum_i probs[g * len + i] * v_i[d]; pb: scratch for G * (len + 1) bf16.
+template <int G>
+static void values_bf16(const float* probs, const c10::BFloat16* const* vrows, int64_t len,
+                        float* acc_out, uint16_t* pb) {
+  const int64_t stride = len + 1;  // one zero past the end pairs an odd last token
+  for (int g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 m = len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, probs + g * len + i));
+      _mm256_mask_storeu_epi16(pb + g * stride + i, m, reinterpret_cast<const __m256i&>(h));
+    }
+    pb[g * stride + len] = 0;
+  }
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 2) {
+    const c10::BFloat16* r0 = vrows[i];
+    const c10::BFloat16* r1 = i + 1 < len ? vrows[i + 1] : r0;  // its probability is 0
+    const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r0 + 32);
+    const __m512i y0 = _mm512_loadu_si512(r1), y1 = _mm512_loadu_si512(r1 + 32);
+    // (v_i[d], v_{i+1}[d]) pairs: per 128-bit lane L, lo holds d = 8L..8L+3, hi d = 8L+4..8L+7
+    const __m512i v[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                          _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+    for (int g = 0; g < G; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, pb + g * stride + i, sizeof(pair));
+      const __m512bh pp = as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], as_bh(v[c]), pp);
+    }
+  }
+  alignas(64) float tmp[16];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) {
+      _mm512_store_ps(tmp, a[g][c]);
+      const int base = 32 * (c / 2) + 4 * (c % 2);
+      for (int L = 0; L < 4; ++L)
+        for (int e = 0; e < 4; ++e) acc_out[g * 64 + base + 8 * L + e] = tmp[4 * L + e];
+    }
+}
+
+// Both passes for one (request, KV head); false when the shape is not covered.
+static bool bf16_pass(int64_t G, bool values, const c10::BFloat16* q, const c10::BFloat16* const* rows,
+                      const c10::BFloat16* const* vrows, int64_t len, float scale, float* scores,
+                      float* acc, uint16_t* pb) {
+  switch (G) {
+    case 1: values ? values_bf16<1>(scores, rows, len, acc, pb) : scores_bf16<1>(q, rows, len, scale, scores, vrows); return true;
+    case 2: values ? values_bf16<2>(scores, rows, len, acc, pb) : scores_bf16<2>(q, rows, len, scale, scores, vrows); return true;
+    case 3: values ? values_bf16<3>(scores, rows, len, acc, pb) : scores_bf16<3>(q, rows, len, scale, scores, vrows); return true;
+    case 4: values ? values_bf16<4>(scores, rows, len, acc, pb) : scores_bf16<4>(q, rows, len, scale, scores, vrows); return true;
+    default: return false;
+  }
+}
+#endif
+
 template <typename T>
 static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                         const torch::Tensor& tables, const torch::Tensor& positions,
@@ -115,6 +237,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(D), vf(D), inv(G), scores;
     std::vector<const T*> krows, vrows;
+    std::vector<uint16_t> pb;  // bf16 probabilities (AVX512-BF16 path)
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / KVH, h = work % KVH;
       const int64_t pos = pp[b];
@@ -126,29 +249,46 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(qp[(b * H + h * G + g) * D + d]) * static_cast<float>(scale);
-      for (int64_t t = first; t <= pos; ++t) {
-        const int64_t block = tp[b * MAXNB + t / BS];
-        const T* k = kp + ((h * NB + block) * BS + t % BS) * D;
+      bool self_fetch = false;  // the AVX512-BF16 path prefetches as it goes
+#ifdef __AVX512BF16__
+      self_fetch = std::is_same_v<T, c10::BFloat16> && D == 64 && G <= 4;
+#endif
+      // Block by block: a division per token cost as much as the attention math itself.
+      for (int64_t t = first; t <= pos;) {
+        const int64_t bi = t / BS, off = t - bi * BS, n = std::min(BS - off, pos + 1 - t);
+        const int64_t block = tp[b * MAXNB + bi];
+        const T* kb = kp + (h * NB + block) * BS * D;
+        const T* vb = vp + (h * NB + block) * BS * D;
         // Latency-bound on K/V that the GEMMs evicted: at each block boundary ask for the next
         // block's K rows and this block's V rows (read by the second pass). Measured 1.5x faster
         // with cold caches.
-        if (t % BS == 0 && t / BS + 1 < MAXNB) {
-          const int64_t nxt = tp[b * MAXNB + t / BS + 1];
-          const char* nk = reinterpret_cast<const char*>(kp + (h * NB + nxt) * BS * D);
-          const char* nv = reinterpret_cast<const char*>(vp + (h * NB + block) * BS * D);
-          for (int64_t off = 0; off < BS * D * (int64_t)sizeof(T); off += 64) {
-            __builtin_prefetch(nk + off);
-            __builtin_prefetch(nv + off);
+        if (!self_fetch && off == 0 && bi + 1 < MAXNB) {
+          const char* nk = reinterpret_cast<const char*>(kp + (h * NB + tp[b * MAXNB + bi + 1]) * BS * D);
+          const char* nv = reinterpret_cast<const char*>(vb);
+          for (int64_t byte = 0; byte < BS * D * (int64_t)sizeof(T); byte += 64) {
+            __builtin_prefetch(nk + byte);
+            __builtin_prefetch(nv + byte);
           }
         }
-        krows[t - first] = k;
-        vrows[t - first] = vp + ((h * NB + block) * BS + t % BS) * D;
+        for (int64_t o = 0; o < n; ++o) {
+          krows[t - first + o] = kb + (off + o) * D;
+          vrows[t - first + o] = vb + (off + o) * D;
+        }
+        t += n;
       }
-      bool fast = false;
-#ifdef __AVX512F__
-      fast = D == 64 && fast_path<T>(G, qf.data(), krows.data(), vrows.data(), len, scores.data(), acc.data(), false);
+      bool dot16 = false, fast = false;
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        pb.resize(G * (len + 1));
+        dot16 = D == 64 && bf16_pass(G, false, qp + (b * H + h * G) * D, krows.data(), vrows.data(), len,
+                                     static_cast<float>(scale), scores.data(), nullptr, pb.data());
+      }
 #endif
-      if (!fast) {
+#ifdef __AVX512F__
+      fast = !dot16 && D == 64 &&
+             fast_path<T>(G, qf.data(), krows.data(), vrows.data(), len, scores.data(), acc.data(), false);
+#endif
+      if (!fast && !dot16) {
         for (int64_t i = 0; i < len; ++i) {
           // Widen the K row once and reuse it for the G query heads that share this KV head.
           for (int64_t d = 0; d < D; ++d) kf[d] = to_f(krows[i][d]);
@@ -169,10 +309,15 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
         }
         inv[g] = 1.f / sum;
       }
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (dot16) bf16_pass(G, true, nullptr, vrows.data(), nullptr, len, 0.f, scores.data(), acc.data(), pb.data());
+      }
+#endif
 #ifdef __AVX512F__
       if (fast) fast_path<T>(G, qf.data(), krows.data(), vrows.data(), len, scores.data(), acc.data(), true);
 #endif
-      if (!fast) {
+      if (!fast && !dot16) {
         for (int64_t i = 0; i < len; ++i) {
           for (int64_t d = 0; d < D; ++d) vf[d] = to_f(vrows[i][d]);
           for (int64_t g = 0; g < G; ++g) {
