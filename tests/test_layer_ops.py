@@ -1,5 +1,5 @@
 """The fused CPU layer ops (RMSNorm, residual-add + RMSNorm, rotary, SiLU-and-mul) agree with
-the PyTorch path they replace, in float32 and bfloat16."""
+the PyTorch path they replace, in float32 and bfloat16; so does the K/V cache write."""
 
 from __future__ import annotations
 
@@ -72,3 +72,22 @@ def test_bad_inputs_raise_instead_of_corrupting() -> None:
         OPS.silu_and_mul(torch.randn(8, 4).t())
     with pytest.raises(RuntimeError, match="dtype"):
         OPS.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_kernel_matches_index_copy(dtype: torch.dtype) -> None:
+    """K/V views into a fused qkv output land at their slots exactly as index_copy_ puts them."""
+    from swiftserve.model.attention import write_kv
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim, blocks, bs = 37, 6, 2, 16, 12, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    _, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    caches = [torch.zeros(kv_heads, blocks, bs, dim, dtype=dtype) for _ in range(4)]
+    write_kv(k, v, caches[0], caches[1], slots)
+    write_kv(k, v, caches[2], caches[3], slots, OPS)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        OPS.write_kv_(k, v, caches[2], caches[3], slots + blocks * bs)

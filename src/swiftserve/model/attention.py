@@ -53,8 +53,12 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kernel: Any = None,
 ) -> None:
     """Store new K/V [T, KVH, D] at their slots."""
+    if kernel is not None and k.dtype == k_cache.dtype:
+        kernel.write_kv_(k, v, k_cache, v_cache, slot_mapping)
+        return
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
@@ -71,7 +75,7 @@ def paged_attention(
     """Attention for a flat batch. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
     # Write every new token first: a request may read blocks another request of the same
     # batch just wrote (they are only shared once computed, but this keeps it order-free).
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.kernel)
     if not meta.prefills:
         return _decode(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)

@@ -35,7 +35,7 @@ def cpu_kernels() -> ModuleType | None:
 
                 here = Path(__file__).parent
                 _module = load(
-                    name="swiftserve_cpu_kernels_v9",
+                    name="swiftserve_cpu_kernels_v10",
                     sources=[str(here / name) for name in _SOURCES],
                     # fast-math: vectorized expf (libmvec) and reassociated sums; the
                     # kernel is tested against the exact PyTorch path.

@@ -8,6 +8,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t d);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "fused paged decode attention (CPU)");
@@ -15,5 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm(residual)");
   m.def("rope_qk_", &rope_qk_, "rotary embedding of q and k, in place in the fused qkv output");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a fused [T, 2I] gate_up output");
+  m.def("write_kv_", &write_kv_, "store new K/V rows at their cache slots");
   m.def("int8_gemv", &int8_gemv, "x @ (w * scale).T for a few rows x, int8 w, per-row scale");
 }
