@@ -96,3 +96,17 @@ def test_kernel_is_built_on_this_machine() -> None:
     if os.environ.get("SWIFTSERVE_CPU_KERNELS") == "0" or shutil.which("g++") is None:
         pytest.skip("kernels disabled or no compiler")
     assert KERNEL is not None
+
+
+@pytest.mark.skipif(KERNEL is None, reason="C++ kernel could not be built here")
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 2, 64)], ids=["h9-kv3", "h8-kv2"])
+def test_kernel_long_contexts_bf16(shape: tuple[int, int, int]) -> None:
+    """Several 16-token chunks plus odd tails (the bf16 dot-product path reduces 16 at once)."""
+    q, kc, vc, meta = make_case(torch.bfloat16, None, seed=2, shape=shape)
+    meta.decode_positions = torch.tensor([47, 63, 64, 100, 149])
+    nb = int(meta.decode_positions.max()) // kc.shape[2] + 1
+    meta.decode_tables = torch.stack([torch.randperm(kc.shape[1])[:nb] for _ in range(5)])
+    meta.kernel = KERNEL
+    torch.testing.assert_close(
+        _decode(q, kc, vc, meta).double(), reference(q, kc, vc, meta), atol=2e-2, rtol=2e-2
+    )
