@@ -62,6 +62,8 @@ class AdaptiveWindow:
         self.feedback_window_ms = 2000.0
         self._since_feedback = 0
         self._fired_by_window: deque[bool] = deque(maxlen=32)
+        self._fit = (0.0, 0.0)  # (a, b) of c(n) = a + b n
+        self._spread = 0.0
 
     # ---- observations --------------------------------------------------------------------
     def observe_arrival(self, now_ms: float) -> None:
@@ -72,6 +74,22 @@ class AdaptiveWindow:
 
     def observe_batch(self, size: int, cost_ms: float) -> None:
         self._costs.append((size, cost_ms))
+        self._refit()
+
+    def _refit(self) -> None:
+        """Least-squares ``c(n) = a + b n`` and its relative spread, once per batch (the
+        window is asked for on every arrival; refitting there cost ~1 ms each)."""
+        sizes = [s for s, _ in self._costs]
+        costs = [c for _, c in self._costs]
+        mean_s, mean_c = sum(sizes) / len(sizes), sum(costs) / len(costs)
+        var = sum((s - mean_s) ** 2 for s in sizes)
+        slope = 0.0 if var == 0 else max(sum((s - mean_s) * (c - mean_c) for s, c in self._costs) / var, 0.0)
+        self._fit = (max(mean_c - slope * mean_s, 0.0), slope)
+        total = 0.0
+        for n, c in self._costs:
+            fit = self.cost_ms(n)
+            total += ((c - fit) / fit) ** 2 if fit > 0 else 0.0
+        self._spread = (total / len(self._costs)) ** 0.5 if len(self._costs) >= 2 else 0.0
 
     def observe_fire(self, by_window: bool) -> None:
         """Whether the batch just fired because its window closed (not full, not backlog)."""
@@ -107,27 +125,13 @@ class AdaptiveWindow:
         return 0.0 if self._gap_ms is None else 1.0 / self._gap_ms
 
     def cost_ms(self, n: int) -> float:
-        if not self._costs:
-            return 0.0
-        sizes = [s for s, _ in self._costs]
-        costs = [c for _, c in self._costs]
-        mean_s, mean_c = sum(sizes) / len(sizes), sum(costs) / len(costs)
-        var = sum((s - mean_s) ** 2 for s in sizes)
-        if var == 0:
-            return mean_c
-        slope = sum((s - mean_s) * (c - mean_c) for s, c in self._costs) / var
-        slope = max(slope, 0.0)
-        return max(mean_c - slope * mean_s, 0.0) + slope * n
+        """Fitted cost of a batch of ``n`` items (0 before any batch ran)."""
+        intercept, slope = self._fit
+        return intercept + slope * n
 
     def cost_spread(self) -> float:
         """RMS relative residual of the measured costs around the fitted ``c(n)``."""
-        if len(self._costs) < 2:
-            return 0.0
-        total = 0.0
-        for n, c in self._costs:
-            fit = self.cost_ms(n)
-            total += ((c - fit) / fit) ** 2 if fit > 0 else 0.0
-        return (total / len(self._costs)) ** 0.5
+        return self._spread
 
     def _model_window(self) -> float:
         lam = self.arrival_rate_per_ms
