@@ -1,19 +1,30 @@
-"""Prepacked oneDNN linear layers for bfloat16 on CPU.
+"""Prepacked linear layers for bfloat16 on CPU.
 
-oneDNN's blocked weight layout, made once at load time, avoids re-laying the weight out on
-every call. Measured on this machine (bf16, SmolLM-135M layer shapes): 1.7x faster at
-batch 1, 1.2-1.4x at batch 64, with bit-identical results to ``F.linear``. float32 is left
-on ``F.linear`` on purpose: the packed float32 kernel sums in another order, and the
-float32 path is the one that must match transformers token for token.
+Two kinds, both packed once at load time:
+
+- ``PanelLinear``: our AVX512-BF16 kernel (``kernels/bf16_gemm.cpp``) over a weight packed
+  in 48-column panels. Chosen when the compiled kernels have it. On SmolLM-135M's layer
+  shapes with weights streamed from DRAM it takes 0.65-0.7x oneDNN's time at batch 64 and
+  about half at batch 1-8 (docs/benchmarks.md). Sums in another order than ``F.linear``:
+  results may differ in the last bf16 bit.
+- ``PackedLinear``: oneDNN's blocked layout, bit-identical to ``F.linear``; the fallback
+  (no AVX512-BF16, odd in_features, or ``SWIFTSERVE_BF16_GEMM=onednn``).
+
+float32 is left on ``F.linear`` on purpose: the packed float32 kernels sum in another
+order, and the float32 path is the one that must match transformers token for token.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from swiftserve.model.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +44,45 @@ class PackedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class PanelLinear(nn.Module):
+    """A bias-optional bfloat16 linear layer over a panel-packed weight (our GEMM kernel)."""
+
+    def __init__(self, linear: nn.Linear, kernels: ModuleType):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.kernels = kernels
+        self.register_buffer("packed", pack_panels(linear.weight.detach(), kernels.bf16_gemm_panel_width()))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = self.kernels.bf16_linear(rows, self.packed, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N/width), K/2, width, 2]: for each pair of input features, the pairs
+    of ``width`` output columns side by side (rows past N are zero)."""
+    n, k = weight.shape
+    panels = -(-n // width)
+    padded = torch.zeros(panels * width, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(panels, width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panel_kernels(linear: nn.Linear) -> ModuleType | None:
+    """The kernel module when ``linear`` can use PanelLinear here, else None."""
+    if os.environ.get("SWIFTSERVE_BF16_GEMM", "panel") == "onednn":
+        return None
+    if linear.weight.dtype != torch.bfloat16 or linear.in_features % 2:
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.bf16_gemm_available() else None
+
+
 def packing_supported(dtype: torch.dtype) -> bool:
     """True when packed linears are available and exact here (checked on a probe)."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
@@ -47,12 +97,19 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear of a bfloat16 model for a PackedLinear; returns how many."""
+    """Swap every nn.Linear of a bfloat16 model for a PanelLinear (our kernel) or, where that
+    is unavailable, a oneDNN PackedLinear; returns how many were swapped."""
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    if not targets or not packing_supported(targets[0][1].weight.dtype):
+    if not targets or targets[0][1].weight.dtype != torch.bfloat16:
         return 0
+    onednn = packing_supported(torch.bfloat16)
+    swapped = 0
     for name, linear in targets:
+        kernels = panel_kernels(linear)
+        if kernels is None and not onednn:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear))
-    return len(targets)
+        setattr(parent, child, PanelLinear(linear, kernels) if kernels else PackedLinear(linear))
+        swapped += 1
+    return swapped

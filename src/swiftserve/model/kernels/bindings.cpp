@@ -9,6 +9,9 @@ void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t r
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
+bool bf16_gemm_available();
+int64_t bf16_gemm_panel_width();
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "fused paged decode attention (CPU)");
@@ -17,5 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_", &rope_qk_, "rotary embedding of q and k, in place in the fused qkv output");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a fused [T, 2I] gate_up output");
   m.def("write_kv_", &write_kv_, "store new K/V rows at their cache slots");
+  m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was compiled (AVX512-BF16)");
+  m.def("bf16_gemm_panel_width", &bf16_gemm_panel_width, "output columns per packed weight panel");
+  m.def("bf16_linear", &bf16_linear, "x @ w.T (+ bias) in bf16 over a panel-packed weight");
   m.def("int8_gemv", &int8_gemv, "x @ (w * scale).T for a few rows x, int8 w, per-row scale");
 }

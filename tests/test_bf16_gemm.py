@@ -1,0 +1,95 @@
+"""Our bfloat16 GEMM kernel (PanelLinear) agrees with F.linear: same shapes, results at most
+one bf16 rounding step apart and nearly always equal, for every row-tile remainder, partial
+panels, bias, strided and N-d inputs; pack_linears picks it and honours the oneDNN switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swiftserve.model.kernels import cpu_kernels
+from swiftserve.model.packed_linear import PackedLinear, PanelLinear, pack_linears, pack_panels, panel_kernels
+
+OPS = cpu_kernels()
+pytestmark = pytest.mark.skipif(
+    OPS is None or not OPS.bf16_gemm_available(), reason="bf16 GEMM kernel needs AVX512-BF16"
+)
+
+
+def bf16_linear(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+
+
+def assert_matches_f_linear(got: torch.Tensor, linear: nn.Linear, x: torch.Tensor) -> None:
+    want = F.linear(x, linear.weight, linear.bias)
+    exact = F.linear(
+        x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double()
+    )
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # Both round an fp32 sum once: each is within one bf16 step (2^-8 relative) of the exact
+    # product, and they differ only where the sums fall near a rounding boundary.
+    scale = exact.abs().clamp_min(exact.abs().max() * 1e-3)
+    assert ((got.double() - exact).abs() / scale).max().item() < 2**-7
+    assert (got != want).double().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 15, 64, 70, 600])
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(960, 576, False), (100, 64, True), (50, 30, True), (48, 1536, False)]
+)
+def test_panel_linear_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
+    linear = bf16_linear(n, k, bias, seed=rows + n)
+    layer = PanelLinear(linear, OPS)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    assert_matches_f_linear(layer(x), linear, x)
+
+
+def test_strided_and_batched_inputs() -> None:
+    linear = bf16_linear(200, 128, True, seed=1)
+    layer = PanelLinear(linear, OPS)
+    wide = torch.randn(33, 300).to(torch.bfloat16)
+    x = wide[:, 10:138]  # rows strided, columns contiguous: used as is
+    assert_matches_f_linear(layer(x), linear, x.contiguous())
+    cube = torch.randn(3, 11, 128).to(torch.bfloat16)
+    out = layer(cube)
+    assert out.shape == (3, 11, 200)
+    assert_matches_f_linear(out.view(33, 200), linear, cube.view(33, 128))
+    transposed = torch.randn(128, 9).to(torch.bfloat16).t()  # columns strided: copied first
+    assert_matches_f_linear(layer(transposed), linear, transposed.contiguous())
+
+
+def test_pack_layout_and_bad_inputs() -> None:
+    w = torch.arange(5 * 4, dtype=torch.float32).view(5, 4).to(torch.bfloat16)
+    packed = pack_panels(w, 48)
+    assert packed.shape == (1, 2, 48, 2)
+    assert packed[0, 1, 3].tolist() == [w[3, 2].item(), w[3, 3].item()]  # row 3, features 2 and 3
+    assert packed[0, :, 5:].abs().sum().item() == 0  # padding rows are zero
+    layer = PanelLinear(bf16_linear(40, 64, False, seed=2), OPS)
+    with pytest.raises(RuntimeError, match="disagree"):
+        OPS.bf16_linear(torch.zeros(2, 62, dtype=torch.bfloat16), layer.packed, 40, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        OPS.bf16_linear(torch.zeros(2, 64), layer.packed, 40, None)
+
+
+def test_pack_linears_chooses_kernel_and_honours_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def model() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 33, bias=False), nn.Linear(33, 8)).to(
+            torch.bfloat16
+        )
+
+    reference = model()
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    ours = model()
+    assert pack_linears(ours) == 3
+    kinds = [type(m) for m in ours]
+    assert kinds == [PanelLinear, PanelLinear, PackedLinear]  # odd in_features (33): oneDNN
+    torch.testing.assert_close(ours(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv("SWIFTSERVE_BF16_GEMM", "onednn")
+    assert panel_kernels(nn.Linear(64, 8).to(torch.bfloat16)) is None
+    onednn = model()
+    assert pack_linears(onednn) == 3 and all(isinstance(m, PackedLinear) for m in onednn)
+    torch.testing.assert_close(onednn(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
