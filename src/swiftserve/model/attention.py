@@ -10,7 +10,10 @@ Each step first writes the new tokens' K/V into their slots (for every request o
 batch), then reads each request's context back by block. Decode queries (one token per
 request) go to a fused C++ kernel (model/kernels, one pass over the blocks, no gather)
 when it could be built, else into a padded ``[B, L]`` gather with a mask and two batched
-matmuls; prefill chunks run one SDPA each.
+matmuls; prefill chunks run one SDPA each. In bfloat16 (head_dim 64) the runner sends prompt
+rows to the fused kernel too: every row is then a query at its own position with its
+request's block table (``num_decode`` = all rows, no segments); measured 3-4x less time
+than one SDPA per 128-token prompt on SmolLM's shapes.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ class AttentionMetadata:
     """Per-step description of the flat batch, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
-    num_decode: int  # the first num_decode rows are single-token queries
-    decode_tables: torch.Tensor | None  # [B, nb] block ids, padded with block 0
+    num_decode: int  # the first num_decode rows are queries answered one row at a time
+    decode_tables: torch.Tensor | None  # [B, nb] block ids of each such row, padded with block 0
     decode_mask: torch.Tensor | None  # [1, B, 1, nb * block_size] bool, True = attend
     prefills: list[PrefillSegment]
     decode_positions: torch.Tensor | None = None  # [B] query positions

@@ -8,6 +8,7 @@ only for the rows that sample (and rows whose prompt logprobs were asked for).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,16 @@ class ModelRunner:
         self._slots_t = torch.from_numpy(self._slots)
         self.sampler = Sampler(seed)
         self.kernel = cpu_kernels() if use_kernels else None
+        # Prompt rows through the fused kernel too (each row is a query at its position), in
+        # place of one SDPA call per prompt: bfloat16 with the register-resident shapes only;
+        # float32 stays on SDPA, the reference path that must match transformers exactly.
+        self.fused_prefill = (
+            self.kernel is not None
+            and dtype == torch.bfloat16
+            and cfg.head_dim == 64
+            and cfg.num_heads // cfg.num_kv_heads <= 4
+            and os.environ.get("SWIFTSERVE_FUSED_PREFILL", "1") != "0"
+        )
         self.states: dict[str, SamplingState] = {}
 
     # ---- request state -------------------------------------------------------------------
@@ -100,12 +111,16 @@ class ModelRunner:
             self._ids[row : row + n] = s.token_ids
             self._pos[row : row + n] = positions
             self._slots[row : row + n] = self._slots_for(s.block_ids, positions)
-            segments.append(self._segment(s, row, positions))
+            if not self.fused_prefill:
+                segments.append(self._segment(s, row, positions))
             if s.sample:
                 sample_rows.append((row + n - 1, s.request_id))
             if s.prompt_logprob_start is not None:
                 prompt_rows.append(self._prompt_rows(s, row))
             row += n
+        if self.fused_prefill and prefill:
+            decode_tables = self._row_tables(order, row)
+            num_decode, segments = row, []
         meta = AttentionMetadata(
             self._slots_t[:row],
             num_decode,
@@ -139,6 +154,17 @@ class ModelRunner:
         if self.window is not None:
             mask &= ctx[None, :] > positions[:, None] - self.window
         return table_t, torch.from_numpy(mask).view(1, batch, 1, num_blocks * bs)
+
+    def _row_tables(self, order: list[ScheduledRequest], rows: int) -> torch.Tensor:
+        """[rows, nb] block table of every row's request (decode rows, then prompt rows)."""
+        nb = max(-(-(s.start_pos + len(s.token_ids)) // self.block_size) for s in order)
+        tables = np.zeros((len(order), nb), dtype=np.int64)
+        counts = np.empty(len(order), dtype=np.int64)
+        for i, s in enumerate(order):
+            blocks = s.block_ids[:nb]
+            tables[i, : len(blocks)] = blocks
+            counts[i] = len(s.token_ids)
+        return torch.from_numpy(np.repeat(tables, counts, axis=0)[:rows])
 
     def _segment(self, s: ScheduledRequest, row: int, positions: np.ndarray) -> PrefillSegment:
         n = len(positions)
