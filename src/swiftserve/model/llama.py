@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swiftserve.model import layer_stack
 from swiftserve.model.attention import AttentionMetadata, paged_attention
 from swiftserve.model.config import ModelConfig
 from swiftserve.model.rotary import RotaryEmbedding, apply_rotary
@@ -134,6 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self._stack: list[torch.Tensor] | None = None  # decoder_stack's weights; [] = not used
 
     def init_rotary(self, max_positions: int) -> None:
         cfg = self.config
@@ -158,6 +160,10 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() first"
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
+        if self._stack is None:  # decided once, after the linears were packed
+            self._stack = layer_stack.stack_weights(self) or []
+        if self._stack and layer_stack.applies(meta, h.shape[0]):
+            return layer_stack.run_stack(self, self._stack, h, rope, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, rope, kv_cache, meta)

@@ -16,12 +16,20 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
-_SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "bf16_gemm.cpp", "bindings.cpp")
+_SOURCES = (
+    "paged_decode.cpp",
+    "layer_ops.cpp",
+    "gemv.cpp",
+    "bf16_gemm.cpp",
+    "layer_stack.cpp",
+    "bindings.cpp",
+)
 
 
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (``paged_decode``, ``rms_norm``, ``add_rms_norm``, ``rope_qk_``,
-    ``silu_and_mul``, ``write_kv_``, ``int8_gemv``, ``bf16_linear``), or None when unavailable."""
+    ``silu_and_mul``, ``write_kv_``, ``int8_gemv``, ``bf16_linear``, ``decoder_stack``), or
+    None when unavailable."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
@@ -35,7 +43,7 @@ def cpu_kernels() -> ModuleType | None:
 
                 here = Path(__file__).parent
                 _module = load(
-                    name="swiftserve_cpu_kernels_v11",
+                    name="swiftserve_cpu_kernels_v12",
                     sources=[str(here / name) for name in _SOURCES],
                     # fast-math: vectorized expf (libmvec) and reassociated sums; the
                     # kernel is tested against the exact PyTorch path.

@@ -12,6 +12,10 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor
 bool bf16_gemm_available();
 int64_t bf16_gemm_panel_width();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias);
+torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_caches,
+                            std::vector<torch::Tensor> v_caches, torch::Tensor final_norm, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor tables, torch::Tensor positions, torch::Tensor slots,
+                            std::vector<int64_t> dims, double eps, double scale, int64_t window);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "fused paged decode attention (CPU)");
@@ -23,5 +27,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was compiled (AVX512-BF16)");
   m.def("bf16_gemm_panel_width", &bf16_gemm_panel_width, "output columns per packed weight panel");
   m.def("bf16_linear", &bf16_linear, "x @ w.T (+ bias) in bf16 over a panel-packed weight");
+  m.def("decoder_stack", &decoder_stack, "every decoder layer of a bf16 model in one call (fused path)");
   m.def("int8_gemv", &int8_gemv, "x @ (w * scale).T for a few rows x, int8 w, per-row scale");
 }

@@ -1,0 +1,82 @@
+"""One C++ call for the whole decoder stack (``kernels/layer_stack.cpp``), when it applies.
+
+It applies to bfloat16 models whose linears are all ``PanelLinear`` (our GEMM) and to steps
+whose every row goes through the fused attention kernel (decode rows, and prompt rows when
+the runner sends them there). It computes exactly what the Python layer loop computes with
+the kernels on (same functions, same order: bit-identical), without ~20 interpreter-level
+calls per layer. ``SWIFTSERVE_LAYER_STACK=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from swiftserve.model.attention import AttentionMetadata
+from swiftserve.model.packed_linear import PanelLinear
+
+if TYPE_CHECKING:
+    from swiftserve.model.llama import LlamaForCausalLM
+
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+
+
+def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
+    """The per-layer tensors ``decoder_stack`` takes, or None when the model does not qualify."""
+    if os.environ.get("SWIFTSERVE_LAYER_STACK", "1") == "0" or model.dtype != torch.bfloat16:
+        return None
+    weights: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, PanelLinear) for m in linears):
+            return None
+        qkv, o, gate_up, down = linears
+        if o.bias is not None or gate_up.bias is not None or down.bias is not None:
+            return None
+        bias = qkv.bias if qkv.bias is not None else _NO_BIAS
+        weights += [layer.input_layernorm.weight, qkv.packed, bias, o.packed]
+        weights += [layer.post_attention_layernorm.weight, gate_up.packed, down.packed]
+    return weights
+
+
+def applies(meta: AttentionMetadata, num_tokens: int) -> bool:
+    """Whether every row of this step is answered by the fused attention kernel."""
+    return (
+        meta.kernel is not None
+        and not meta.prefills
+        and meta.num_decode == num_tokens
+        and meta.decode_tables is not None
+        and meta.decode_positions is not None
+    )
+
+
+def run_stack(
+    model: LlamaForCausalLM,
+    weights: list[torch.Tensor],
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Final-normed hidden states of the step, from the embeddings ``h``."""
+    cfg = model.config
+    assert meta.decode_tables is not None and meta.decode_positions is not None
+    return meta.kernel.decoder_stack(  # type: ignore[no-any-return]
+        h,
+        weights,
+        [k for k, _ in kv_caches],
+        [v for _, v in kv_caches],
+        model.model.norm.weight,
+        rope[0],
+        rope[1],
+        meta.decode_tables,
+        meta.decode_positions,
+        meta.slot_mapping,
+        [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size],
+        model.model.norm.eps,
+        cfg.head_dim**-0.5,
+        meta.window or -1,
+    )
