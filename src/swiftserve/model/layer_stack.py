@@ -10,7 +10,7 @@ calls per layer. ``SWIFTSERVE_LAYER_STACK=0`` turns it off.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,16 +29,20 @@ def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
         return None
     weights: list[torch.Tensor] = []
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m, PanelLinear) for m in linears):
+        block: Any = layer  # a DecoderLayer (ModuleList items are typed as plain Modules)
+        linears = [
+            block.self_attn.qkv_proj,
+            block.self_attn.o_proj,
+            block.mlp.gate_up_proj,
+            block.mlp.down_proj,
+        ]
+        panels = [m for m in linears if isinstance(m, PanelLinear)]
+        if len(panels) != 4 or any(m.bias is not None for m in panels[1:]):
             return None
-        qkv, o, gate_up, down = linears
-        if o.bias is not None or gate_up.bias is not None or down.bias is not None:
-            return None
+        qkv, o, gate_up, down = panels
         bias = qkv.bias if qkv.bias is not None else _NO_BIAS
-        weights += [layer.input_layernorm.weight, qkv.packed, bias, o.packed]
-        weights += [layer.post_attention_layernorm.weight, gate_up.packed, down.packed]
+        weights += [block.input_layernorm.weight, qkv.packed, bias, o.packed]
+        weights += [block.post_attention_layernorm.weight, gate_up.packed, down.packed]
     return weights
 
 

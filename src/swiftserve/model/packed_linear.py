@@ -47,6 +47,8 @@ class PackedLinear(nn.Module):
 class PanelLinear(nn.Module):
     """A bias-optional bfloat16 linear layer over a panel-packed weight (our GEMM kernel)."""
 
+    packed: torch.Tensor  # a registered buffer: [ceil(N/48), K/2, 48, 2]
+
     def __init__(self, linear: nn.Linear, kernels: ModuleType):
         super().__init__()
         self.in_features = linear.in_features
