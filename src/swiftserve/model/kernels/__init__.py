@@ -43,7 +43,7 @@ def cpu_kernels() -> ModuleType | None:
 
                 here = Path(__file__).parent
                 _module = load(
-                    name="swiftserve_cpu_kernels_v12",
+                    name="swiftserve_cpu_kernels_v13",
                     sources=[str(here / name) for name in _SOURCES],
                     # fast-math: vectorized expf (libmvec) and reassociated sums; the
                     # kernel is tested against the exact PyTorch path.

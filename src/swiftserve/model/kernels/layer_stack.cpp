@@ -8,16 +8,10 @@
 // bit-identical to the Python path (tests/test_layer_stack.py); it only removes the
 // interpreter between them.
 #include <torch/extension.h>
+
 #include <vector>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
-                           torch::Tensor positions, double scale, int64_t window);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t d);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias);
+#include "ops.h"
 
 namespace {
 constexpr size_t PER_LAYER = 7;  // input_norm, qkv, qkv_bias, o, post_norm, gate_up, down
