@@ -272,3 +272,25 @@ def test_noisy_batch_costs_get_a_tail_margin() -> None:
     assert steady.cost_spread() == pytest.approx(0.0, abs=1e-9)
     assert noisy.cost_spread() > 0.5  # +-5 ms on costs of 2.5-10 ms
     assert noisy.window_ms() < steady.window_ms()
+
+
+def test_fires_are_told_apart_window_or_backlog() -> None:
+    """A batch whose window closed while the function was busy is a backlog, whatever the
+    timer's lateness; one whose window closed on an idle function fired by the window."""
+
+    async def main() -> None:
+        rec = Recorder(delay_s=0.3)
+        async with DynamicBatcher(rec, max_batch_size=100, max_wait_ms=50, adaptive=True) as b:
+            controller = b.controller
+            assert controller is not None
+            first = asyncio.create_task(b.submit(1))  # fires by its 50 ms window, runs 300 ms
+            await asyncio.sleep(0.1)
+            assert await b.submit(2) == 20  # its window closes while 1 runs: backlog
+            await first
+            third = asyncio.create_task(b.submit(3))  # alone again: by the window ...
+            await asyncio.sleep(0.02)
+            time.sleep(0.1)  # ... even when the loop wakes up 70 ms late (blocked here)
+            assert await third == 30
+            assert list(controller._fired_by_window) == [True, False, True]
+
+    run(main())

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -94,6 +95,9 @@ class DynamicBatcher:
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._closing = False
+        # When a batch last finished while every slot was busy: a window that closed before
+        # that moment could not fire on time (backlog), one that closed after it did.
+        self._slot_freed_ms = -math.inf
         self._waits: deque[float] = deque(maxlen=4096)
         self._latencies: deque[float] = deque(maxlen=4096)
         self._counts = {"batches": 0, "items": 0, "failed": 0, "rejected": 0, "timed_out": 0}
@@ -204,9 +208,9 @@ class DynamicBatcher:
         window = self.current_window_ms
         if self._closing or oldest is None or now - oldest >= window:
             if self.controller and oldest is not None:
-                # Fired by the timer only if the oldest item has not waited far past it
-                # (a backlog behind a busy function also passes this test).
-                self.controller.observe_fire(now - oldest < window + 1.0)
+                # Fired by the window if a slot was free when it closed; a late timer wake-up
+                # does not make it a backlog, a busy function does.
+                self.controller.observe_fire(self._slot_freed_ms <= oldest + window)
             return n, 0.0
         wake_at = oldest + window
         deadline = self._queue.next_deadline_ms()
@@ -251,6 +255,8 @@ class DynamicBatcher:
                 self.controller.observe_batch(len(batch), cost)
         finally:
             assert self._slots is not None
+            if self._slots.locked():
+                self._slot_freed_ms = _now_ms()
             self._slots.release()
             if self._wake is not None:
                 self._wake.set()
