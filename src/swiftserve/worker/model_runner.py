@@ -138,12 +138,8 @@ class ModelRunner:
         positions = np.fromiter((s.start_pos for s in decode), dtype=np.int64, count=batch)
         self._ids[:batch] = [s.token_ids[0] for s in decode]
         self._pos[:batch] = positions
-        length = int(positions.max()) + 1
-        num_blocks = -(-length // self.block_size)
-        table = np.zeros((batch, num_blocks), dtype=np.int64)
-        for i, s in enumerate(decode):
-            blocks = s.block_ids[:num_blocks]
-            table[i, : len(blocks)] = blocks
+        table = self._block_tables(decode)
+        num_blocks = table.shape[1]
         bs = self.block_size
         self._slots[:batch] = table[np.arange(batch), positions // bs] * bs + positions % bs
         table_t = torch.from_numpy(table)
@@ -155,16 +151,20 @@ class ModelRunner:
             mask &= ctx[None, :] > positions[:, None] - self.window
         return table_t, torch.from_numpy(mask).view(1, batch, 1, num_blocks * bs)
 
-    def _row_tables(self, order: list[ScheduledRequest], rows: int) -> torch.Tensor:
-        """[rows, nb] block table of every row's request (decode rows, then prompt rows)."""
-        nb = max(-(-(s.start_pos + len(s.token_ids)) // self.block_size) for s in order)
-        tables = np.zeros((len(order), nb), dtype=np.int64)
-        counts = np.empty(len(order), dtype=np.int64)
-        for i, s in enumerate(order):
+    def _block_tables(self, requests: list[ScheduledRequest]) -> np.ndarray:
+        """[len(requests), nb] block ids covering each request's positions up to this step's
+        last token, padded with block 0."""
+        nb = max(-(-(s.start_pos + len(s.token_ids)) // self.block_size) for s in requests)
+        tables = np.zeros((len(requests), nb), dtype=np.int64)
+        for i, s in enumerate(requests):
             blocks = s.block_ids[:nb]
             tables[i, : len(blocks)] = blocks
-            counts[i] = len(s.token_ids)
-        return torch.from_numpy(np.repeat(tables, counts, axis=0)[:rows])
+        return tables
+
+    def _row_tables(self, order: list[ScheduledRequest], rows: int) -> torch.Tensor:
+        """[rows, nb] block table of every row's request (decode rows, then prompt rows)."""
+        counts = [len(s.token_ids) for s in order]
+        return torch.from_numpy(np.repeat(self._block_tables(order), counts, axis=0)[:rows])
 
     def _segment(self, s: ScheduledRequest, row: int, positions: np.ndarray) -> PrefillSegment:
         n = len(positions)
