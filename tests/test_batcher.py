@@ -16,7 +16,6 @@ from swiftserve.batching import (
     QueueTimeout,
     batched,
 )
-from swiftserve.batching.adaptive import AdaptiveWindow
 
 
 class Recorder:
@@ -244,36 +243,6 @@ def test_bad_options_raise() -> None:
         DynamicBatcher(lambda x: x, max_batch_size=1, max_wait_ms=1, timeout_action="drop")
 
 
-def test_adaptive_window_law() -> None:
-    w = AdaptiveWindow(max_batch_size=16, max_wait_ms=50, target_p99_ms=20)
-    for i in range(50):  # one item per ms
-        w.observe_arrival(float(i))
-    for n in (1, 4, 8, 16):  # cost = 2 ms + 0.5 ms per item
-        w.observe_batch(n, 2 + 0.5 * n)
-    assert w.cost_ms(10) == pytest.approx(7.0)
-    window = w.window_ms()
-    n = min(16, 1 + int(window))
-    assert window + w.cost_ms(n) <= 0.9 * 20 + 1e-9 and window > 0
-    for _ in range(32):  # P99 breach shrinks the window
-        w.observe_latency(100.0)
-    assert w.window_ms() < window
-    assert AdaptiveWindow(16, 5, None).window_ms() <= 5  # max_wait_ms is a hard cap
-
-
-def test_noisy_batch_costs_get_a_tail_margin() -> None:
-    steady = AdaptiveWindow(max_batch_size=32, max_wait_ms=100, target_p99_ms=60)
-    noisy = AdaptiveWindow(max_batch_size=32, max_wait_ms=100, target_p99_ms=60)
-    for i in range(200):  # one item every 4 ms: filling 32 items would take 124 ms
-        steady.observe_arrival(4.0 * i)
-        noisy.observe_arrival(4.0 * i)
-    for i, n in enumerate((1, 4, 8, 16) * 8):  # same mean cost 2 + 0.5 n; one of them +-5 ms
-        steady.observe_batch(n, 2 + 0.5 * n)
-        noisy.observe_batch(n, 2 + 0.5 * n + (5 if (i // 4) % 2 else -5))
-    assert steady.cost_spread() == pytest.approx(0.0, abs=1e-9)
-    assert noisy.cost_spread() > 0.5  # +-5 ms on costs of 2.5-10 ms
-    assert noisy.window_ms() < steady.window_ms()
-
-
 def test_fires_are_told_apart_window_or_backlog() -> None:
     """A batch whose window closed while the function was busy is a backlog, whatever the
     timer's lateness; one whose window closed on an idle function fired by the window."""
@@ -292,5 +261,8 @@ def test_fires_are_told_apart_window_or_backlog() -> None:
             time.sleep(0.1)  # ... even when the loop wakes up 70 ms late (blocked here)
             assert await third == 30
             assert list(controller._fired_by_window) == [True, False, True]
+            # The third batch started ~70 ms after its window closed: the plan's error
+            # the controller recorded for it carries that lateness.
+            assert controller._errors[-1][1] >= 40
 
     run(main())

@@ -1,41 +1,49 @@
-"""The adaptive batching window: a model-based choice corrected by measured P99.
+"""The adaptive batching window: a deadline planned from measured costs, corrected by P99.
 
-Control law (all times in ms):
+Control law (all times in ms; ``T`` is ``target_p99_ms``):
 
 1. Arrival rate ``lam`` (items/ms): EWMA of inter-arrival gaps, ``gap <- 0.8 gap + 0.2 new``,
    ``lam = 1 / gap``.
 2. Batch cost ``c(n) = a + b n``: least squares over the last 64 measured batches
    (fixed overhead ``a``, per-item cost ``b``); until two distinct sizes are seen, the
    mean observed cost is used for every n.
-3. Model window. Waiting ``w`` fills a batch of ``n(w) = min(max_batch, 1 + lam w)``
-   items; an item's latency is at most about ``w + c(n(w))``. Without a target the window
-   is the time to fill a full batch, ``(max_batch - 1) / lam``. With ``target_p99_ms = T``
-   the window is 0 until an arrival rate and a batch cost have been measured, then the
-   largest ``w`` on a grid of 32 points in ``[0, max_wait]`` with
-   ``w + c(n(w)) (1 + 2 r) <= 0.8 T``. ``r`` is the RMS *relative* residual of the cost
-   fit, so a model whose batches vary in cost gets a tail margin in proportion to the
-   batch it would run (a noisy 15 ms batch needs a few ms, not the spread of the 100 ms
-   ones), while a steady one gets none. The last 20% of the target is left to queueing
-   and to the feedback below (which acts at 0.9 T); 0 when nothing fits.
-4. Feedback. Every 16 completed items, P99 over the latencies of the last 2 s (at most
-   256) is compared with ``T``: above ``0.9 T`` the scale ``s`` is multiplied by 0.7 (the
-   10% margin absorbs the noise of a P99 estimated from a few hundred samples) and the
-   latency sample is cleared, so that the next step judges only the new window; below
-   ``0.7 T`` it is multiplied by 1.15 (capped at 1.5); otherwise unchanged. ``s`` is floored
-   at 0.05. The window is time-based so that a burst's breach stops weighing on the window
-   once the burst is over. A breach only shrinks the window when at least half of the last
-   32 batches fired because their window closed: when batches fire because they are full
-   or because the function was busy, the latency is queueing, and a smaller window would
-   only make batches smaller and the queue longer.
-5. Output ``window = clamp(s * w_model, 0, max_wait_ms)``: ``max_wait_ms`` is a hard cap.
+3. Prediction error. Each batch records how much later its oldest item finished than the
+   plan said: the timer's lateness past the window (when the batch fired because its window
+   closed; 0 when it fired full or on a freed slot) plus ``cost - c(n)``. The margin ``m``
+   is the 95th percentile of these errors over the batches of the last 3 s (at least the
+   last 8); ``0.2 T`` until 8 batches have run. The oldest item of a batch is its slowest,
+   and with a few items per batch the items' P99 is about the batches' P95.
+4. Deadline. The batch now forming holds ``q`` items and its oldest has waited ``age``.
+   Letting the oldest wait until ``w`` adds ``lam (w - age)`` items, so it finishes at
+   about ``w + c(q + lam (w - age)) + m``. The window is the largest ``w`` that keeps this
+   within the budget ``B = 0.95 T - d``:
+
+       w = (B - m - a - b q + b lam age) / (1 + b lam)
+
+   (or ``B - m - c(max_batch)`` when the batch would fill before that). Every batch is
+   planned to finish at the same deadline, so small batches (quiet phases) wait longer
+   than big ones, where a fixed window must be sized for the biggest; and since ``q`` and
+   ``age`` are the live queue's, a burst shortens the window as soon as items pile up,
+   before the rate estimate has caught up. The window is 0 until a batch cost is known.
+5. Feedback. Every 16 completed items, P99 over the latencies of the last 2 s (at most 256)
+   is compared with ``T``. Above ``T``, the budget shrinks, ``d += 0.05 T`` (at most
+   ``0.5 T``), and the latency sample is cleared, so that the next step judges only items
+   served under the new budget. Below ``0.9 T`` the headroom is given back, ``d -= 0.01 T``
+   (down to 0). A breach only counts when at least half of the last 32 batches fired
+   because their window closed: when batches fire full or on a freed slot, the latency is
+   queueing, and a smaller window would only make batches smaller and the queue longer.
+6. Output ``window = clamp(w, 0, max_wait_ms)``: ``max_wait_ms`` is a hard cap. Without a
+   target the window is the time to fill a full batch, ``(max_batch - 1) / lam``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-BREACH_FRACTION = 0.9  # P99 above this fraction of the target shrinks the window
-BUDGET_FRACTION = 0.8  # the model window plans each batch to finish by this fraction
+BUDGET_FRACTION = 0.9  # every batch is planned to finish by this fraction of the target
+HEADROOM_FRACTION = 0.9  # P99 below this fraction of the target gives budget back
+ERROR_QUANTILE = 95.0  # the margin: this percentile of the batches' prediction errors
+MIN_ERRORS = 8  # errors needed before the margin is measured rather than assumed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -54,16 +62,17 @@ class AdaptiveWindow:
         self.max_batch_size = max_batch_size
         self.max_wait_ms = max_wait_ms
         self.target_p99_ms = target_p99_ms
-        self.scale = 1.0
+        self.backoff_ms = 0.0  # ``d``: budget taken away by measured P99 breaches
         self._gap_ms: float | None = None
         self._last_arrival: float | None = None
         self._costs: deque[tuple[int, float]] = deque(maxlen=64)
+        self._errors: deque[tuple[float, float]] = deque(maxlen=256)  # (time, error)
         self._latencies: deque[tuple[float, float]] = deque(maxlen=256)  # (time, latency)
         self.feedback_window_ms = 2000.0
+        self.error_window_ms = 3000.0
         self._since_feedback = 0
         self._fired_by_window: deque[bool] = deque(maxlen=32)
         self._fit = (0.0, 0.0)  # (a, b) of c(n) = a + b n
-        self._spread = 0.0
 
     # ---- observations --------------------------------------------------------------------
     def observe_arrival(self, now_ms: float) -> None:
@@ -72,24 +81,26 @@ class AdaptiveWindow:
             self._gap_ms = gap if self._gap_ms is None else 0.8 * self._gap_ms + 0.2 * gap
         self._last_arrival = now_ms
 
-    def observe_batch(self, size: int, cost_ms: float) -> None:
+    def observe_batch(
+        self, size: int, cost_ms: float, late_ms: float = 0.0, now_ms: float | None = None
+    ) -> None:
+        """A batch of ``size`` ran in ``cost_ms``; it started ``late_ms`` after its window
+        closed (0 unless it fired by the window). Records the plan's error, then refits."""
+        now = now_ms if now_ms is not None else self._clock()
+        if len(self._costs) >= 2:  # a fit exists to be wrong
+            self._errors.append((now, late_ms + cost_ms - self.cost_ms(size)))
         self._costs.append((size, cost_ms))
         self._refit()
 
     def _refit(self) -> None:
-        """Least-squares ``c(n) = a + b n`` and its relative spread, once per batch (the
-        window is asked for on every arrival; refitting there cost ~1 ms each)."""
+        """Least-squares ``c(n) = a + b n``, once per batch (the window is asked for on
+        every arrival; refitting there cost ~1 ms each)."""
         sizes = [s for s, _ in self._costs]
         costs = [c for _, c in self._costs]
         mean_s, mean_c = sum(sizes) / len(sizes), sum(costs) / len(costs)
         var = sum((s - mean_s) ** 2 for s in sizes)
         slope = 0.0 if var == 0 else max(sum((s - mean_s) * (c - mean_c) for s, c in self._costs) / var, 0.0)
         self._fit = (max(mean_c - slope * mean_s, 0.0), slope)
-        total = 0.0
-        for n, c in self._costs:
-            fit = self.cost_ms(n)
-            total += ((c - fit) / fit) ** 2 if fit > 0 else 0.0
-        self._spread = (total / len(self._costs)) ** 0.5 if len(self._costs) >= 2 else 0.0
 
     def observe_fire(self, by_window: bool) -> None:
         """Whether the batch just fired because its window closed (not full, not backlog)."""
@@ -103,15 +114,19 @@ class AdaptiveWindow:
         self._since_feedback += 1
         if self.target_p99_ms is not None and self._since_feedback >= 16:
             self._since_feedback = 0
-            p99 = percentile([lat for _, lat in self._latencies], 99)
-            window_bound = sum(self._fired_by_window) >= len(self._fired_by_window) / 2
-            if p99 > BREACH_FRACTION * self.target_p99_ms and window_bound:
-                self.scale = max(0.05, self.scale * 0.7)
-                # Judge the next step only on items served under the new window; otherwise
-                # one burst's breach shrinks it again every 16 items until it leaves the 2 s.
-                self._latencies.clear()
-            elif p99 < 0.7 * self.target_p99_ms:
-                self.scale = min(1.5, self.scale * 1.15)
+            self._feedback(percentile([lat for _, lat in self._latencies], 99))
+
+    def _feedback(self, p99: float) -> None:
+        target = self.target_p99_ms
+        assert target is not None
+        window_bound = sum(self._fired_by_window) >= len(self._fired_by_window) / 2
+        if p99 > target and window_bound:
+            self.backoff_ms = min(0.5 * target, self.backoff_ms + 0.05 * target)
+            # Judge the next step only on items served under the new budget; otherwise
+            # one burst's breach shrinks it again every 16 items until it leaves the 2 s.
+            self._latencies.clear()
+        elif p99 < HEADROOM_FRACTION * target:
+            self.backoff_ms = max(0.0, self.backoff_ms - 0.01 * target)
 
     @staticmethod
     def _clock() -> float:
@@ -124,33 +139,39 @@ class AdaptiveWindow:
     def arrival_rate_per_ms(self) -> float:
         return 0.0 if self._gap_ms is None else 1.0 / self._gap_ms
 
-    def cost_ms(self, n: int) -> float:
+    def cost_ms(self, n: int | float) -> float:
         """Fitted cost of a batch of ``n`` items (0 before any batch ran)."""
         intercept, slope = self._fit
         return intercept + slope * n
 
-    def cost_spread(self) -> float:
-        """RMS relative residual of the measured costs around the fitted ``c(n)``."""
-        return self._spread
+    def margin_ms(self) -> float:
+        """``m``: the 95th percentile of recent prediction errors (0.2 T until measured)."""
+        if len(self._errors) < MIN_ERRORS:
+            return 0.2 * (self.target_p99_ms or 0.0)
+        horizon = self._errors[-1][0] - self.error_window_ms
+        recent = [e for t, e in self._errors if t >= horizon]
+        if len(recent) < MIN_ERRORS:
+            recent = [e for _, e in list(self._errors)[-MIN_ERRORS:]]
+        return max(0.0, percentile(recent, ERROR_QUANTILE))
 
-    def _model_window(self) -> float:
+    def _deadline_window(self, queued: int, age_ms: float) -> float:
+        """The largest wait that lets the forming batch finish within the budget."""
+        assert self.target_p99_ms is not None
+        if not self._costs:
+            return 0.0  # no cost measured yet: waiting would be a blind bet
         lam = self.arrival_rate_per_ms
-        if self.target_p99_ms is not None and (lam <= 0 or not self._costs):
-            return 0.0  # no rate or no cost measured yet: waiting would be a blind bet
-        if lam <= 0:
-            return self.max_wait_ms
-        fill_ms = (self.max_batch_size - 1) / lam
-        if self.target_p99_ms is None:
-            return fill_ms
-        budget = BUDGET_FRACTION * self.target_p99_ms
-        tail = 1 + 2 * self.cost_spread()
-        best = 0.0
-        for i in range(33):
-            w = min(fill_ms, self.max_wait_ms) * i / 32
-            n = min(self.max_batch_size, 1 + int(lam * w))
-            if w + self.cost_ms(n) * tail <= budget:
-                best = w
-        return best
+        a, b = self._fit
+        slack = BUDGET_FRACTION * self.target_p99_ms - self.backoff_ms - self.margin_ms()
+        w = (slack - a - b * queued + b * lam * age_ms) / (1 + b * lam)
+        if queued + lam * max(w - age_ms, 0.0) > self.max_batch_size:
+            w = slack - self.cost_ms(self.max_batch_size)  # it fires full before w anyway
+        return w
 
-    def window_ms(self) -> float:
-        return max(0.0, min(self.scale * self._model_window(), self.max_wait_ms))
+    def window_ms(self, queued: int = 1, age_ms: float = 0.0) -> float:
+        """How long the oldest of ``queued`` items (waiting ``age_ms`` so far) may wait."""
+        if self.target_p99_ms is not None:
+            w = self._deadline_window(max(queued, 1), age_ms)
+        else:
+            lam = self.arrival_rate_per_ms
+            w = self.max_wait_ms if lam <= 0 else (self.max_batch_size - 1) / lam
+        return max(0.0, min(w, self.max_wait_ms))

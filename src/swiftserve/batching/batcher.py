@@ -129,7 +129,12 @@ class DynamicBatcher:
 
     @property
     def current_window_ms(self) -> float:
-        return self.controller.window_ms() if self.controller else self.max_wait_ms
+        """The window for the queue as it stands (for an empty queue: a lone new item's)."""
+        if not self.controller:
+            return self.max_wait_ms
+        oldest = self._queue.oldest_arrival_ms()
+        age = 0.0 if oldest is None else _now_ms() - oldest
+        return self.controller.window_ms(len(self._queue), age)
 
     # ---- submission ----------------------------------------------------------------------
     async def submit(self, item: Any, priority: int = 0, timeout_ms: float | None = None) -> Any:
@@ -176,7 +181,7 @@ class DynamicBatcher:
                 deadline = self._queue.next_deadline_ms()
                 await self._sleep(None if deadline is None else max(deadline - _now_ms(), 0) / 1000)
                 continue
-            size, wait_s = self._decide(_now_ms())
+            size, wait_s, late_ms = self._decide(_now_ms())
             if size == 0:
                 await self._sleep(wait_s)
                 continue
@@ -185,7 +190,7 @@ class DynamicBatcher:
             if not batch:
                 self._slots.release()
                 continue
-            task = asyncio.create_task(self._run_batch(batch))
+            task = asyncio.create_task(self._run_batch(batch, late_ms))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
@@ -196,27 +201,33 @@ class DynamicBatcher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
 
-    def _decide(self, now: float) -> tuple[int, float]:
-        """(items to fire now, 0) or (0, seconds to wait before deciding again)."""
+    def _decide(self, now: float) -> tuple[int, float, float]:
+        """(items to fire now, 0, ms the window closed before now) or (0, seconds to wait
+        before deciding again, 0)."""
         n = len(self._queue)
         if n >= self.max_batch_size:
-            return self.max_batch_size, 0.0
+            return self.max_batch_size, 0.0, 0.0
         for p in self.preferred:
             if n >= p:
-                return p, 0.0
+                return p, 0.0, 0.0
         oldest = self._queue.oldest_arrival_ms()
-        window = self.current_window_ms
-        if self._closing or oldest is None or now - oldest >= window:
-            if self.controller and oldest is not None:
+        if oldest is None:
+            return n, 0.0, 0.0
+        window = self.controller.window_ms(n, now - oldest) if self.controller else self.max_wait_ms
+        if self._closing or now - oldest >= window:
+            late_ms = 0.0
+            if self.controller:
                 # Fired by the window if a slot was free when it closed; a late timer wake-up
                 # does not make it a backlog, a busy function does.
-                self.controller.observe_fire(self._slot_freed_ms <= oldest + window)
-            return n, 0.0
+                by_window = self._slot_freed_ms <= oldest + window
+                self.controller.observe_fire(by_window)
+                late_ms = now - (oldest + window) if by_window else 0.0
+            return n, 0.0, late_ms
         wake_at = oldest + window
         deadline = self._queue.next_deadline_ms()
         if deadline is not None:
             wake_at = min(wake_at, deadline)
-        return 0, max(wake_at - now, 0.0) / 1000.0
+        return 0, max(wake_at - now, 0.0) / 1000.0, 0.0
 
     def _expire(self, now: float) -> None:
         for entry in self._queue.pop_expired(now):
@@ -241,7 +252,7 @@ class DynamicBatcher:
             raise BatchResultError(f"fn returned {len(result)} results for a batch of {len(items)}")
         return result
 
-    async def _run_batch(self, batch: list[Entry]) -> None:
+    async def _run_batch(self, batch: list[Entry], late_ms: float = 0.0) -> None:
         try:
             start = _now_ms()
             for e in batch:
@@ -252,7 +263,7 @@ class DynamicBatcher:
             self._counts["batches"] += 1
             self._counts["items"] += len(batch)
             if self.controller:
-                self.controller.observe_batch(len(batch), cost)
+                self.controller.observe_batch(len(batch), cost, late_ms)
         finally:
             assert self._slots is not None
             if self._slots.locked():
