@@ -68,11 +68,14 @@ def test_bench_batcher_smoke(tmp_path: Path) -> None:
         "0,5",
         "--target-p99-ms",
         "20,50",
+        "--rounds",
+        "2",
         "--output-json",
         str(out),
     ]
     assert main(args) == 0
     report = json.loads(out.read_text())
+    assert report["rounds"] == 2
     assert set(report["results"]) == {
         "fixed 0 ms",
         "fixed 5 ms",
@@ -81,6 +84,8 @@ def test_bench_batcher_smoke(tmp_path: Path) -> None:
     }
     for r in report["results"].values():
         assert r["batches"] >= 1 and r["p99_ms"] >= r["p50_ms"] >= 0
+        assert len(r["rounds_p99_ms"]) == len(r["rounds_batches"]) == 2
+        assert min(r["rounds_p99_ms"]) <= r["p99_ms"] <= max(r["rounds_p99_ms"])
     assert [v["target_p99_ms"] for v in report["verdicts"]] == [20.0, 50.0]
     for v in report["verdicts"]:
         meeting = [
@@ -107,3 +112,17 @@ def test_bench_quant_smoke(llama_dir: Path, tmp_path: Path) -> None:
     assert rows["int4-g32"]["weight_bytes"] < rows["int8"]["weight_bytes"]
     for row in rows.values():
         assert row["perplexity"] > 1 and row["tpot_ms"] > 0 and row["batch_output_tokens_per_s"] > 0
+
+
+def test_bench_batcher_median_over_rounds() -> None:
+    from swiftserve.bench.batching import median_result
+
+    runs = [
+        {"p50_ms": 10.0, "p99_ms": 90.0, "throughput_rps": 30.0, "batches": 140, "mean_batch_size": 4.8},
+        {"p50_ms": 12.0, "p99_ms": 300.0, "throughput_rps": 29.0, "batches": 150, "mean_batch_size": 4.5},
+        {"p50_ms": 11.0, "p99_ms": 95.0, "throughput_rps": 31.0, "batches": 141, "mean_batch_size": 4.8},
+    ]
+    med = median_result(runs)  # one stalled round does not decide the verdict
+    assert med["p99_ms"] == 95.0 and med["batches"] == 141 and med["p50_ms"] == 11.0
+    assert med["rounds_p99_ms"] == [90.0, 300.0, 95.0]
+    assert "rounds_p99_ms" not in median_result(runs[:1])
