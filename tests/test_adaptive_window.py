@@ -103,3 +103,15 @@ def test_max_wait_is_a_hard_cap_and_no_target_fills_batches() -> None:
     no_target = fed(target=None)
     assert no_target.window_ms() == pytest.approx(min(100.0, 31 / 0.25))
     assert AdaptiveWindow(16, 5, None).window_ms() == 5.0
+
+
+def test_busy_stream_leaves_the_next_batch_room() -> None:
+    """Near saturation the batch stops growing where its cost plus the next batch's (the
+    items arriving while it runs) meets the budget, before its own deadline would."""
+    w = fed(target=20.0, gap_ms=0.5)  # 2 items per ms
+    lam = w.arrival_rate_per_ms
+    window = w.window_ms(1, 0.0)
+    n = 1 + lam * window
+    assert w.cost_ms(n) + w.cost_ms(lam * w.cost_ms(n)) == pytest.approx(BUDGET_FRACTION * 20.0)
+    assert window + w.cost_ms(n) < BUDGET_FRACTION * 20.0  # its own deadline had slack left
+    assert w.window_ms(15, 0.0) == 0.0  # already past n_max: fire now

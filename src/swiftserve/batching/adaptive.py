@@ -20,7 +20,12 @@ Control law (all times in ms; ``T`` is ``target_p99_ms``):
 
        w = (B - m - a - b q + b lam age) / (1 + b lam)
 
-   (or ``B - m - c(max_batch)`` when the batch would fill before that). Every batch is
+   (or ``B - m - c(max_batch)`` when the batch would fill before that). The batch must
+   also leave the next one room: an item that arrives just after it fires waits ``c(n)``
+   for the function, then runs in a batch of about ``lam c(n)`` items, so the batch stops
+   growing at the ``n_max`` where ``c(n) + c(lam c(n)) + m = B`` (the window is cut to the
+   time it reaches ``n_max``, or to now when it already has). This binds near saturation,
+   where waiting for one more item would make everyone behind it late. Every batch is
    planned to finish at the same deadline, so small batches (quiet phases) wait longer
    than big ones, where a fixed window must be sized for the biggest; and since ``q`` and
    ``age`` are the live queue's, a burst shortens the window as soon as items pile up,
@@ -165,6 +170,9 @@ class AdaptiveWindow:
         w = (slack - a - b * queued + b * lam * age_ms) / (1 + b * lam)
         if queued + lam * max(w - age_ms, 0.0) > self.max_batch_size:
             w = slack - self.cost_ms(self.max_batch_size)  # it fires full before w anyway
+        if b > 0 and lam > 0:  # leave the next batch room: stop growing at n_max items
+            n_max = (slack - 2 * a - a * b * lam) / (b * (1 + b * lam))
+            w = min(w, age_ms + (n_max - queued) / lam)
         return w
 
     def window_ms(self, queued: int = 1, age_ms: float = 0.0) -> float:
