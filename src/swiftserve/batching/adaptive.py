@@ -16,7 +16,7 @@ Control law (all times in ms; ``T`` is ``target_p99_ms``):
 4. Deadline. The batch now forming holds ``q`` items and its oldest has waited ``age``.
    Letting the oldest wait until ``w`` adds ``lam (w - age)`` items, so it finishes at
    about ``w + c(q + lam (w - age)) + m``. The window is the largest ``w`` that keeps this
-   within the budget ``B = 0.95 T - d``:
+   within the budget ``B = 0.9 T - d``:
 
        w = (B - m - a - b q + b lam age) / (1 + b lam)
 
@@ -29,7 +29,9 @@ Control law (all times in ms; ``T`` is ``target_p99_ms``):
    planned to finish at the same deadline, so small batches (quiet phases) wait longer
    than big ones, where a fixed window must be sized for the biggest; and since ``q`` and
    ``age`` are the live queue's, a burst shortens the window as soon as items pile up,
-   before the rate estimate has caught up. The window is 0 until a batch cost is known.
+   before the rate estimate has caught up. It is re-planned at every arrival and wake-up
+   (with no new arrival the plan converges to firing when ``age + c(q) + m`` reaches
+   ``B``). The window is 0 until a batch cost is known.
 5. Feedback. Every 16 completed items, P99 over the latencies of the last 2 s (at most 256)
    is compared with ``T``. Above ``T``, the budget shrinks, ``d += 0.05 T`` (at most
    ``0.5 T``), and the latency sample is cleared, so that the next step judges only items
