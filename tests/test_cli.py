@@ -126,3 +126,5 @@ def test_bench_batcher_median_over_rounds() -> None:
     assert med["p99_ms"] == 95.0 and med["batches"] == 141 and med["p50_ms"] == 11.0
     assert med["rounds_p99_ms"] == [90.0, 300.0, 95.0]
     assert "rounds_p99_ms" not in median_result(runs[:1])
+    with pytest.raises(SystemExit):  # zero rounds would have nothing to take a median of
+        main(["bench", "batcher", "--rounds", "0"])

@@ -221,7 +221,7 @@ class DynamicBatcher:
                 # does not make it a backlog, a busy function does.
                 by_window = self._slot_freed_ms <= oldest + window
                 self.controller.observe_fire(by_window)
-                late_ms = now - (oldest + window) if by_window else 0.0
+                late_ms = max(0.0, now - (oldest + window)) if by_window else 0.0  # 0 if closing
             return n, 0.0, late_ms
         wake_at = oldest + window
         deadline = self._queue.next_deadline_ms()

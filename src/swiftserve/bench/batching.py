@@ -210,6 +210,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("cost", "minilm"), default="cost")
     parser.add_argument("--overhead-ms", type=float, default=5.0)
@@ -233,7 +240,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the MiniLM encoder")
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=_positive_int,
         default=1,
         help="replay every window this many times, interleaved; report and judge medians",
     )
