@@ -80,6 +80,7 @@ class AdaptiveWindow:
         self._since_feedback = 0
         self._fired_by_window: deque[bool] = deque(maxlen=32)
         self._fit = (0.0, 0.0)  # (a, b) of c(n) = a + b n
+        self._margin = 0.2 * (target_p99_ms or 0.0)  # ``m``, assumed until measured
 
     # ---- observations --------------------------------------------------------------------
     def observe_arrival(self, now_ms: float) -> None:
@@ -98,6 +99,7 @@ class AdaptiveWindow:
             self._errors.append((now, late_ms + cost_ms - self.cost_ms(size)))
         self._costs.append((size, cost_ms))
         self._refit()
+        self._remeasure_margin()
 
     def _refit(self) -> None:
         """Least-squares ``c(n) = a + b n``, once per batch (the window is asked for on
@@ -153,13 +155,18 @@ class AdaptiveWindow:
 
     def margin_ms(self) -> float:
         """``m``: the 95th percentile of recent prediction errors (0.2 T until measured)."""
+        return self._margin
+
+    def _remeasure_margin(self) -> None:
+        """Once per batch, like the fit: errors change only here, and the window is asked
+        for on every arrival."""
         if len(self._errors) < MIN_ERRORS:
-            return 0.2 * (self.target_p99_ms or 0.0)
+            return
         horizon = self._errors[-1][0] - self.error_window_ms
         recent = [e for t, e in self._errors if t >= horizon]
         if len(recent) < MIN_ERRORS:
             recent = [e for _, e in list(self._errors)[-MIN_ERRORS:]]
-        return max(0.0, percentile(recent, ERROR_QUANTILE))
+        self._margin = max(0.0, percentile(recent, ERROR_QUANTILE))
 
     def _deadline_window(self, queued: int, age_ms: float) -> float:
         """The largest wait that lets the forming batch finish within the budget."""
