@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from swiftserve.demo import write_random_checkpoint
+from swiftserve.tools.demo import write_random_checkpoint
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

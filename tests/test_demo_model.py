@@ -11,9 +11,9 @@ import openai
 
 from server_utils import running_server
 from swiftserve import LLM
-from swiftserve.demo import demo_model_dir
 from swiftserve.engine.generation_config import default_sampling
-from swiftserve.evaluate import engine_nll, load_text, windows_of
+from swiftserve.engine.model_source import demo_model_dir
+from swiftserve.tools.evaluate import engine_nll, load_text, windows_of
 
 PY_MARKERS = ("def ", "return", "self", "import ", "if ", " = ", "(", ":\n", "    ")
 

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from server_utils import Server, running_server
-from swiftserve.model.encoder import EncoderModel, write_random_encoder
+from swiftserve.model.encoder import EncoderModel
+from swiftserve.tools.demo import write_random_encoder
 
 TEXTS = ["def main():\n    return 1", "héllo wörld", "import os " * 200, "x"]
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from swiftserve.cli import main
-from swiftserve.corpus import HELDOUT_MODULUS, is_heldout, split_files
-from swiftserve.evaluate import windows_of
+from swiftserve.tools.corpus import HELDOUT_MODULUS, is_heldout, split_files
+from swiftserve.tools.evaluate import windows_of
 
 
 def test_windows_cover_the_text_without_overlap() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from swiftserve import LLM, SamplingParams
-from swiftserve.demo import write_random_checkpoint
 from swiftserve.model.kernels import cpu_kernels
+from swiftserve.tools.demo import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="CPU kernels could not be built here")
 # head_dim 64 and 2 query heads per KV head: the shapes the fused path takes.

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from swiftserve import LLM, SamplingParams
-from swiftserve.demo import write_random_checkpoint
 from swiftserve.model.kernels import cpu_kernels
+from swiftserve.tools.demo import write_random_checkpoint
 
 OPS = cpu_kernels()
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swiftserve import LLM, SamplingParams
-from swiftserve.train_demo import TrainConfig, train_demo
+from swiftserve.tools.train_demo import TrainConfig, train_demo
 
 TINY = replace(
     TrainConfig(),

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from swiftserve.cli_args import add_engine_args, engine_kwargs
+from swiftserve.cli_args import add_engine_args, add_server_args, engine_kwargs, server_settings
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -29,7 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _random_model(args: argparse.Namespace) -> int:
-    from swiftserve.demo import write_random_checkpoint
+    from swiftserve.tools.demo import write_random_checkpoint
 
     path = write_random_checkpoint(
         args.out,
@@ -51,7 +51,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _eval_perplexity(args: argparse.Namespace) -> int:
-    from swiftserve import evaluate
+    from swiftserve.tools import evaluate
 
     evaluate.main(args, {k: v for k, v in engine_kwargs(args).items() if k != "model"})
     return 0
@@ -60,7 +60,7 @@ def _eval_perplexity(args: argparse.Namespace) -> int:
 def _train_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from swiftserve.train_demo import TrainConfig, train_demo
+    from swiftserve.tools.train_demo import TrainConfig, train_demo
 
     cfg = TrainConfig()
     overrides = {k: getattr(args, k) for k in ("steps", "seed", "threads") if getattr(args, k) is not None}
@@ -72,7 +72,7 @@ def _train_demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from swiftserve.server.launcher import run_server
 
-    return run_server(args, engine_kwargs(args))
+    return run_server(server_settings(args), engine_kwargs(args))
 
 
 def _bench_latency(args: argparse.Namespace) -> int:
@@ -162,13 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     eval_sub = evl.add_subparsers(dest="eval_command", required=True)
     ppl = eval_sub.add_parser("perplexity", help="perplexity from the engine's prompt logprobs")
     add_engine_args(ppl)
-    importlib.import_module("swiftserve.evaluate").add_args(ppl)
+    importlib.import_module("swiftserve.tools.evaluate").add_args(ppl)
     ppl.set_defaults(func=_eval_perplexity)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(srv)
-    from swiftserve.server.launcher import add_server_args
-
     add_server_args(srv)
     srv.set_defaults(func=_serve)
 

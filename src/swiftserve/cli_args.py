@@ -1,4 +1,5 @@
-"""Command-line flags generated from EngineConfig, so every engine option is a flag."""
+"""Command-line flags generated from the option dataclasses (EngineConfig, ServerSettings),
+so every option is a flag with the dataclass's name, default and validation."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import dataclasses
 from typing import Any
 
 from swiftserve.config import DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
+from swiftserve.server.settings import ENGINE_MODES, ServerSettings
 
-_CHOICES = {"dtype": DTYPES, "scheduling_policy": POLICIES, "quantization": QUANTIZATIONS}
+_CHOICES = {
+    "dtype": DTYPES,
+    "scheduling_policy": POLICIES,
+    "quantization": QUANTIZATIONS,
+    "engine_mode": ENGINE_MODES,
+}
 
 
 def _parse_bool(text: str) -> bool:
@@ -20,12 +27,18 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``--model`` and one ``--kebab-case`` flag per EngineConfig field."""
-    for f in dataclasses.fields(EngineConfig):
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--kebab-case`` flag per field of an option dataclass (unset flags stay None)."""
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        if "bool" in kind:
+        if kind.startswith("tuple"):
+            parser.add_argument(flag, type=_comma_list, default=None, metavar="A,B,...")
+        elif "bool" in kind:
             parser.add_argument(flag, type=_parse_bool, default=None, metavar="BOOL")
         elif "int" in kind:
             parser.add_argument(flag, type=int, default=None)
@@ -35,11 +48,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=str, default=None, choices=_CHOICES.get(f.name))
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig options given on the command line (unset flags keep defaults)."""
+def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The options of ``cls`` given on the command line (unset flags keep the defaults)."""
     out = {}
-    for f in dataclasses.fields(EngineConfig):
+    for f in dataclasses.fields(cls):
         value = getattr(args, f.name, None)
         if value is not None:
             out[f.name] = value
     return out
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--model`` and one ``--kebab-case`` flag per EngineConfig field."""
+    add_dataclass_args(parser, EngineConfig)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig options given on the command line (unset flags keep defaults)."""
+    return dataclass_kwargs(args, EngineConfig)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerSettings field."""
+    add_dataclass_args(parser, ServerSettings)
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(**dataclass_kwargs(args, ServerSettings))

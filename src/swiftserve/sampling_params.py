@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from swiftserve._options import check_finite, check_range, reject_unknown_options
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit value
+MAX_INT = 2**31 - 1  # counts and token ids: bounded so no tensor or message overflows
 
 
 @reject_unknown_options
@@ -54,22 +56,23 @@ class SamplingParams:
             value = getattr(self, f.name)
             if isinstance(value, float):
                 check_finite(own, f.name, value)
-        _check_int(own, "n", self.n, 1)
+        _check_int(own, "n", self.n, 1, MAX_INT)
         check_range(own, "temperature", self.temperature, 0.0)
         check_range(own, "top_p", self.top_p, 0.0, 1.0, low_open=True)
         if (
             not isinstance(self.top_k, int)
             or isinstance(self.top_k, bool)
             or (self.top_k < 1 and self.top_k != -1)
+            or self.top_k > MAX_INT
         ):
-            raise ValueError(f"{own}.top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+            raise ValueError(f"{own}.top_k must be -1 (disabled) or in [1, {MAX_INT}], got {self.top_k!r}")
         check_range(own, "min_p", self.min_p, 0.0, 1.0)
         check_range(own, "presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_range(own, "frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_range(own, "repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
         if self.max_tokens is not None:
-            _check_int(own, "max_tokens", self.max_tokens, 1)
-        _check_int(own, "min_tokens", self.min_tokens, 0)
+            _check_int(own, "max_tokens", self.max_tokens, 1, MAX_INT)
+        _check_int(own, "min_tokens", self.min_tokens, 0, MAX_INT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"{own}.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
@@ -79,12 +82,12 @@ class SamplingParams:
             if value is not None:
                 _check_int(own, name, value, 0, MAX_LOGPROBS)
         if self.seed is not None:
-            _check_int(own, "seed", self.seed, 0)
+            _check_int(own, "seed", self.seed, 0, MAX_SEED)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"{own}.stop entries must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            _check_int(own, "stop_token_ids", t, 0)
+            _check_int(own, "stop_token_ids", t, 0, MAX_INT)
 
     @property
     def greedy(self) -> bool:

@@ -81,7 +81,7 @@ def measure(
 
     from tqdm.auto import tqdm
 
-    from swiftserve.evaluate import engine_nll
+    from swiftserve.tools.evaluate import engine_nll
 
     llms = {name: _build(args, name) for name in tqdm(names, desc="loading variants")}
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
@@ -113,9 +113,9 @@ def measure(
 def _heldout_windows(args: argparse.Namespace) -> list[list[int]] | None:
     if args.perplexity_tokens <= 0:
         return None
-    from swiftserve.demo import resolve_model
+    from swiftserve.engine.model_source import resolve_model
     from swiftserve.engine.tokenizer import load_tokenizer
-    from swiftserve.evaluate import load_text, windows_of
+    from swiftserve.tools.evaluate import load_text, windows_of
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     ids = tokenizer.encode(load_text("held-out"), add_special_tokens=False)
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    from swiftserve.demo import resolve_model
+    from swiftserve.engine.model_source import resolve_model
     from swiftserve.model.config import ModelConfig
 
     # Perplexity windows of 512 tokens, or shorter where the model's positions end sooner.

@@ -116,7 +116,7 @@ def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_one(args: argparse.Namespace, engine: dict[str, Any], backend: str) -> dict[str, Any]:
-    from swiftserve.demo import resolve_model
+    from swiftserve.engine.model_source import resolve_model
     from swiftserve.model.config import ModelConfig
 
     model = str(resolve_model(args.model))

@@ -2,13 +2,22 @@
 
 SchedulerOutput goes from the scheduler to the model runner; RunnerOutput comes back;
 EngineCoreOutput goes from the engine core to the frontend (detokenizer, API).
+The frontend -> core commands (Add, Abort, Stop) and CoreInfo are typed msgspec Structs:
+the pipe to the engine process carries exactly these, never pickle, never tagged tuples.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from swiftserve.sampling_params import SamplingParams
+
+# The engine's own finish reason for a request it refused to apply (a message it could not
+# decode or validate): that one request fails, never the engine process.
+FINISH_REJECTED = "rejected"
 
 # (token_id, logprob, rank, ((top_token_id, top_logprob), ...))
 LogprobEntry = tuple[int, float, int, tuple[tuple[int, float], ...]]
@@ -84,3 +93,77 @@ class EngineCoreOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     times: RequestTimes
+
+
+def rejected_output(request_id: str, message: str) -> EngineCoreOutput:
+    """The output that fails one request the core could not apply (``stop_reason``: why)."""
+    now = time.monotonic()
+    return EngineCoreOutput(
+        request_id, [], [], None, FINISH_REJECTED, message, RequestTimes(now, None, None, now)
+    )
+
+
+# ---- frontend -> core commands ----------------------------------------------------------------
+class EngineCoreRequest(msgspec.Struct, frozen=True):
+    """A tokenized, validated request as the core receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float = msgspec.field(default_factory=time.monotonic)
+
+
+class Add(msgspec.Struct, frozen=True, tag="add"):
+    """Queue these requests (the n children of one user request: all or nothing)."""
+
+    requests: list[EngineCoreRequest]
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    """Finish these requests now: aborted, or ``stopped`` by a stop string."""
+
+    request_ids: list[str]
+    stopped: bool = False
+
+
+class Stop(msgspec.Struct, frozen=True, tag="stop"):
+    """End the engine loop."""
+
+
+Command = Add | Abort | Stop
+
+
+class CoreInfo(msgspec.Struct, frozen=True):
+    """What the frontend must know about the engine to validate requests."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+# ---- core -> frontend replies (engine process) ------------------------------------------------
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """The engine process is built and serving."""
+
+    info: CoreInfo
+
+
+class Outputs(msgspec.Struct, frozen=True, tag="out"):
+    """One step's outputs (possibly none) and the latest scheduler gauges."""
+
+    outputs: list[EngineCoreOutput]
+    stats: dict[str, float]
+
+
+class Failed(msgspec.Struct, frozen=True, tag="error"):
+    """The engine process is dying with this error."""
+
+    message: str
+
+
+Reply = Ready | Outputs | Failed

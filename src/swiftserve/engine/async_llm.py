@@ -17,20 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from swiftserve.config import EngineConfig
-from swiftserve.core.messages import EngineCoreOutput
+from swiftserve.core.messages import FINISH_REJECTED, Abort, Add, EngineCoreOutput
 from swiftserve.core.scheduler import fits_in_kv_pool
-from swiftserve.engine.core import EngineCoreRequest
-from swiftserve.engine.core_client import Abort, Add, ProcessCoreClient, ThreadCoreClient
-from swiftserve.engine.generation_config import default_sampling
-from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, ProcessedPrompt, Prompt
-from swiftserve.engine.llm import child_seed
-from swiftserve.engine.output_processor import OutputProcessor
+from swiftserve.engine.core_client import ProcessCoreClient, ThreadCoreClient
+from swiftserve.engine.frontend import Frontend
+from swiftserve.engine.inputs import InvalidRequestError, ProcessedPrompt, Prompt
 from swiftserve.engine.tokenizer import load_tokenizer
-from swiftserve.model.config import ModelConfig
 from swiftserve.outputs import RequestOutput
 from swiftserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+LARGE_PROMPT_CHARS = 32_768  # prompts longer than this tokenize on their own lane
 
 
 class EngineDeadError(RuntimeError):
@@ -41,6 +38,10 @@ class RequestDeadlineError(RuntimeError):
     """A request's deadline (queue time included) passed before it finished."""
 
 
+class ServerShutdownError(RuntimeError):
+    """The server is shutting down and ended the request before it finished."""
+
+
 class AsyncLLM:
     """Async generation: ``async for out in engine.generate(prompt, params, request_id)``."""
 
@@ -49,22 +50,22 @@ class AsyncLLM:
     ):
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
-        self.model_config = ModelConfig.from_dir(model_path)
-        self.default_sampling = default_sampling(model_path)
         # The core runs in its own process (msgspec over a pipe) or in a thread of this one.
         self.client: ThreadCoreClient | ProcessCoreClient = (
             ProcessCoreClient(config, model_path, progress)
             if engine_process
             else ThreadCoreClient(config, model_path, progress)
         )
-        self.max_model_len = self.client.info.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
-        self.eos_token_ids = self.model_config.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
-        )
-        self.processor = OutputProcessor(self.tokenizer)
+        self.frontend = Frontend(self.tokenizer, model_path, self.client.info)
+        self.max_model_len = self.frontend.max_model_len
+        self.inputs = self.frontend.inputs
+        self.processor = self.frontend.processor
+        self.default_sampling = self.frontend.default_sampling
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Two lanes: long prompts tokenize one at a time on their own thread, so that a few
+        # big ones can never occupy every worker while two-token requests wait behind them.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._tokenize_large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self.dead_callbacks: list[Callable[[BaseException], None]] = []
@@ -79,6 +80,7 @@ class AsyncLLM:
         if self._started:
             await asyncio.get_running_loop().run_in_executor(None, self.client.stop)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_large.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_dead(self) -> bool:
@@ -102,6 +104,12 @@ class AsyncLLM:
                 for callback in self.dead_callbacks:
                     callback(error)
             return
+        for out in item:
+            if out.finish_reason == FINISH_REJECTED:  # the core refused it: fail that request alone
+                parent = self.processor.parent_of(out.request_id)
+                rq = self._queues.get(parent) if parent is not None else None
+                if rq is not None:
+                    rq.put_nowait(InvalidRequestError(f"rejected by the engine: {out.stop_reason}"))
         touched, stopped = self.processor.process(item)
         if stopped:
             self.client.send(Abort(stopped, stopped=True))
@@ -112,10 +120,13 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------
     async def process_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> ProcessedPrompt:
-        """Tokenize and validate off the event loop."""
+        """Tokenize and validate off the event loop (text over the character budget: refused at once)."""
+        if isinstance(prompt, str):
+            self.inputs.check_chars(len(prompt))
+        large = isinstance(prompt, str) and len(prompt) > LARGE_PROMPT_CHARS
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._tokenize_pool,
+            self._tokenize_large if large else self._tokenize_pool,
             lambda: self.inputs.process(prompt, add_special_tokens=add_special_tokens),
         )
 
@@ -143,23 +154,13 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
-        children = self.processor.add_request(request_id, processed.prompt, processed.token_ids, params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        core_requests = [
-            EngineCoreRequest(
-                child,
-                processed.token_ids,
-                params if params.n == 1 else params.replace(n=1, seed=child_seed(params.seed, i, params.n)),
-                max_tokens,
-                self.eos_token_ids,
-                priority,
-                arrival,
-            )
-            for i, child in enumerate(children)
-        ]
-        self.client.send(Add(core_requests))
         finished = False
+        # Everything from here on is undone in the finally, whatever step fails (an encode
+        # error once leaked the queue and the processor state of every such request).
         try:
+            arrival = arrival_time if arrival_time is not None else time.monotonic()
+            requests = self.frontend.add_request(request_id, processed, params, max_tokens, priority, arrival)
+            self.client.send(Add(requests))
             while True:
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
@@ -193,6 +194,11 @@ class AsyncLLM:
         if state is not None and q is not None:
             q.put_nowait(self.processor.to_request_output(state, delta=True))
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every unfinished request with ``error`` (their generators raise it and abort)."""
+        for q in self._queues.values():
+            q.put_nowait(error)
+
     def check_fits(self, request_id: str, num_tokens: int) -> None:
         """ValueError if a request of num_tokens could never fit in the engine's KV pool."""
         info = self.client.info
@@ -200,4 +206,7 @@ class AsyncLLM:
 
     def stats(self) -> dict[str, Any]:
         """Scheduler and cache state for /metrics (the latest the engine reported)."""
-        return self.client.stats() if self._started else {}
+        if not self._started:
+            return {}
+        stats = self.client.stats()
+        return {**stats, "frontend_requests": len(self.processor.requests)} if stats else {}

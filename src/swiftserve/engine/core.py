@@ -8,38 +8,22 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from swiftserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from swiftserve.core.block_manager import BlockManager
-from swiftserve.core.messages import EngineCoreOutput
+from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.scheduler import Scheduler
 from swiftserve.model.config import ModelConfig
 from swiftserve.model.loader import load_model
 from swiftserve.model.packed_linear import pack_linears
 from swiftserve.model.quant_linear import quantize_model, weight_bytes
-from swiftserve.sampling_params import SamplingParams
 from swiftserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineCoreRequest:
-    """A tokenized, validated request as the core receives it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    max_tokens: int
-    eos_token_ids: tuple[int, ...] = ()
-    priority: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -118,7 +102,17 @@ class EngineCore:
         gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; ValueError if it can never fit."""
+        """Queue a request; ValueError if it can never fit or a value is out of range.
+
+        The frontend validates first; these checks are the core defending itself.
+        """
+        if not -(2**31) < request.priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, got {request.priority!r}")
+        if not 1 <= request.max_tokens < 2**31:
+            raise ValueError(f"max_tokens must be in [1, 2**31), got {request.max_tokens!r}")
+        ids = request.prompt_token_ids
+        if not ids or min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+            raise ValueError("prompt must be non-empty token ids inside the vocabulary")
         self.scheduler.add_request(
             Request(
                 request_id=request.request_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -10,21 +11,17 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from swiftserve.config import EngineConfig
-from swiftserve.engine.core import EngineCore, EngineCoreRequest
-from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, Prompt, normalize_prompts
-from swiftserve.engine.output_processor import OutputProcessor
+from swiftserve.core.messages import FINISH_REJECTED, Abort, Add
+from swiftserve.engine.core import EngineCore
+from swiftserve.engine.core_loop import CoreLoop, core_info
+from swiftserve.engine.frontend import Frontend
+from swiftserve.engine.inputs import InvalidRequestError, ProcessedPrompt, Prompt, normalize_prompts
+from swiftserve.engine.model_source import resolve_model
 from swiftserve.engine.tokenizer import load_tokenizer
 from swiftserve.outputs import RequestOutput
 from swiftserve.sampling_params import SamplingParams
 
 Message = dict[str, Any]
-
-
-def child_seed(seed: int | None, index: int, n: int) -> int | None:
-    """Distinct, reproducible seeds for the n sequences of one seeded request."""
-    if seed is None or n == 1:
-        return seed
-    return (seed * 1_000_003 + index * 7_919 + 1) % (2**63)
 
 
 class LLM:
@@ -35,20 +32,23 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **options: Any):
-        from swiftserve.demo import resolve_model
-
         self.config = EngineConfig(model=model, **options)
         path = resolve_model(model)
         self.model_path = Path(path)
-        self.tokenizer = load_tokenizer(self.config.tokenizer or path)
-        self.engine = EngineCore(self.config, path, progress=progress)
-        self.max_model_len = self.engine.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, self.engine.model_config.vocab_size, self.max_model_len)
-        self.eos_token_ids = self.engine.model_config.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
-        )
-        self.processor = OutputProcessor(self.tokenizer)
+        tokenizer = load_tokenizer(self.config.tokenizer or path)
+        self.loop = CoreLoop(EngineCore(self.config, path, progress=progress))
+        self.frontend = Frontend(tokenizer, path, core_info(self.loop.core))
+        self.tokenizer = tokenizer
+        self.max_model_len = self.frontend.max_model_len
+        self.inputs = self.frontend.inputs
+        self.processor = self.frontend.processor
+        self.eos_token_ids = self.frontend.eos_token_ids
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> EngineCore:
+        """The engine core (scheduler, block manager, runner) this LLM steps."""
+        return self.loop.core
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -73,7 +73,7 @@ class LLM:
         ]
         request_ids = [str(next(self._ids)) for _ in items]
         for rid, proc, sp, prio, mt in zip(request_ids, processed, params, prios, max_tokens, strict=True):
-            self._add(rid, proc.prompt, proc.token_ids, sp, prio, mt)
+            self._add(rid, proc, sp, prio, mt)
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -100,38 +100,30 @@ class LLM:
     def _add(
         self,
         request_id: str,
-        prompt: str | None,
-        token_ids: list[int],
+        processed: ProcessedPrompt,
         params: SamplingParams,
         priority: int,
         max_tokens: int,
     ) -> None:
-        children = self.processor.add_request(request_id, prompt, token_ids, params)
-        for index, child_id in enumerate(children):
-            child_params = (
-                params
-                if params.n == 1
-                else params.replace(n=1, seed=child_seed(params.seed, index, params.n))
-            )
-            try:
-                self.engine.add_request(
-                    EngineCoreRequest(
-                        child_id, token_ids, child_params, max_tokens, self.eos_token_ids, priority
-                    )
-                )
-            except ValueError:
-                self.engine.abort_requests(children[:index])
-                self.processor.pop(request_id)
-                raise
+        requests = self.frontend.add_request(
+            request_id, processed, params, max_tokens, priority, time.monotonic()
+        )
+        rejected = self.loop.apply(Add(requests))
+        if rejected:
+            self.processor.pop(request_id)
+            raise InvalidRequestError(f"rejected by the engine: {rejected[0].stop_reason}")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
         done: dict[str, RequestOutput] = {}
+        core = self.loop.core
         with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while pending and self.engine.has_unfinished():
-                touched, stopped = self.processor.process(self.engine.step())
+            while pending and core.has_unfinished():
+                outputs = self.loop.step()
+                assert all(o.finish_reason != FINISH_REJECTED for o in outputs)
+                touched, stopped = self.processor.process(outputs)
                 if stopped:
-                    self.engine.abort_requests(stopped, stopped=True)
+                    self.loop.apply(Abort(stopped, stopped=True))
                 for state in touched:
                     if state.finished and state.request_id in pending:
                         done[state.request_id] = self.processor.to_request_output(state)

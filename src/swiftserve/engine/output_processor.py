@@ -128,6 +128,10 @@ class OutputProcessor:
             touched[parent_id] = state
         return list(touched.values()), to_abort
 
+    def parent_of(self, child_id: str) -> str | None:
+        """The user request a core-level (child) id belongs to, while it is unfinished."""
+        return self._parent_of.get(child_id)
+
     def abort(self, request_id: str) -> list[str]:
         """Mark every unfinished sequence of a request aborted; returns its child ids."""
         state = self.requests.get(request_id)

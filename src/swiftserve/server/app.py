@@ -7,10 +7,12 @@ import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -21,68 +23,93 @@ from swiftserve.server.errors import APIError, error_body
 from swiftserve.server.formatting import ChatFormatter, CompletionFormatter
 from swiftserve.server.metrics import ServerMetrics
 from swiftserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from swiftserve.server.serving import OpenAIServing, ServerSettings, to_api_error
+from swiftserve.server.serving import OpenAIServing, to_api_error
+from swiftserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
-    """Pure ASGI: API-key check (constant time) and request-body size limit, before routing."""
+    """Pure ASGI, before routing: header size (431), Host/Origin allow-list (403), API key
+    (401, constant-time compare) and body size (413, counted as it arrives, chunked or not).
+
+    The body is read here, in full, before the app sees the request: a chunked body over the
+    limit is a 413 (the app's own body parser would turn the error into a 400), and the app
+    then reads the buffered copy; later receive() calls go to the server (disconnects).
+    """
 
     def __init__(self, app: ASGIApp, settings: ServerSettings):
         self.app = app
         self.settings = settings
+        self.allowed_hosts = {h.lower() for h in settings.allowed_hosts or ()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await refusal.response()(scope, receive, send)
+        limit = self.settings.max_body_bytes
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body arrived
+            body += message.get("body", b"")
+            if len(body) > limit:
+                return await _too_large(limit)(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        raw_headers = scope["headers"]
+        size = sum(len(k) + len(v) + 4 for k, v in raw_headers)
+        if size > self.settings.max_header_bytes:
+            return APIError(
+                431,
+                f"Request headers exceed {self.settings.max_header_bytes} bytes.",
+                code="headers_too_large",
+            )
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
+        if self.allowed_hosts and not self._host_allowed(headers):
+            return APIError(403, "Host or Origin not allowed.", code="host_not_allowed")
         key = self.settings.api_key
         if key and scope["path"] != "/health":
             given = headers.get("authorization", "")
-            expected = f"Bearer {key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                err = APIError(
-                    401,
-                    "Invalid or missing API key.",
-                    type_="authentication_error",
-                    code="invalid_api_key",
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return APIError(
+                    401, "Invalid or missing API key.", type_="authentication_error", code="invalid_api_key"
                 )
-                return await err.response()(scope, receive, send)
-        limit = self.settings.max_body_bytes
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            return await _too_large(limit)(scope, receive, send)
-        received = 0
-        started = False
+        if length is not None and length.isdigit() and int(length) > self.settings.max_body_bytes:
+            return _too_large_error(self.settings.max_body_bytes)
+        return None
 
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge
-            return message
+    def _host_allowed(self, headers: dict[str, str]) -> bool:
+        """DNS-rebinding guard: the Host (and Origin, when sent) must name an allowed host."""
+        host = urlsplit("//" + headers.get("host", "")).hostname or ""
+        if host not in self.allowed_hosts:
+            return False
+        origin = headers.get("origin")
+        return origin is None or (urlsplit(origin).hostname or "") in self.allowed_hosts
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await _too_large(limit)(scope, receive, send)
+def _too_large_error(limit: int) -> APIError:
+    return APIError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
 
 
 def _too_large(limit: int) -> JSONResponse:
-    return APIError(413, f"Request body exceeds {limit} bytes.", code="request_too_large").response()
+    return _too_large_error(limit).response()
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -106,7 +133,7 @@ def create_app(
     """Build the app around a (not yet started) AsyncLLM and/or an embedding service."""
     metrics = ServerMetrics()
     serving = OpenAIServing(engine, settings, metrics)
-    embed_name = embedding_model_name or settings.served_model_name
+    embed_name = embedding_model_name or settings.served_model_name or "swiftserve-embeddings"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -164,7 +191,7 @@ def _add_info_routes(
     """/health, /version, /v1/models, /metrics and /v1/embeddings."""
     metrics: ServerMetrics = app.state.metrics
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         ok = not serving.engine_dead and not serving.draining
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
@@ -193,7 +220,7 @@ def _add_info_routes(
                     "object": "model",
                     "created": 0,
                     "owned_by": "swiftserve",
-                    "max_model_len": embedder.encoder.max_seq_length,
+                    "max_model_len": embedder.engine.max_seq_length,
                 }
             )
         return {"object": "list", "data": data}
@@ -201,7 +228,8 @@ def _add_info_routes(
     @app.get("/metrics")
     async def prometheus() -> Response:
         stats = engine.stats() if engine is not None else {}
-        embed_stats = embedder.batcher.stats() if embedder is not None else None
+        embed_stats = embedder.engine.stats() if embedder is not None else None
+        metrics.sequences_in_flight.set(serving.in_flight)
         return Response(metrics.render(stats, embed_stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/embeddings")
@@ -231,7 +259,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
         prompts = _completion_prompts(body.prompt)
         serving.check_limits(body, len(prompts), body.logprobs)
         params = serving.sampling_params(lambda: body.to_sampling_params(serving.engine.default_sampling))
-        ticket = serving.admit()
+        ticket = serving.admit(len(prompts) * body.n)
         try:
             processed = await serving.prepare(prompts, params)
         except BaseException:
@@ -246,10 +274,14 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
             raise APIError(400, "messages: must not be empty", param="messages")
         serving.check_limits(body, 1, body.top_logprobs)
         params = serving.sampling_params(lambda: body.to_sampling_params(serving.engine.default_sampling))
-        ticket = serving.admit()
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        assert engine is not None
+        try:  # the character budget, before the template renders anything
+            engine.inputs.check_chars(sum(len(m["content"]) for m in conversation))
+        except ValueError as e:
+            raise to_api_error(e) from e
+        ticket = serving.admit(body.n)
         try:
-            assert engine is not None
             text = await asyncio.get_running_loop().run_in_executor(
                 None,
                 lambda: engine.tokenizer.apply_chat_template(
@@ -257,12 +289,12 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
                 ),
             )
             processed = await serving.prepare([text], params, add_special_tokens=False)
-        except BaseException as e:
+        except TemplateError as e:  # the conversation breaks the template's rules: the request's fault
             ticket.release()
-            if isinstance(e, APIError) or not isinstance(e, Exception):
-                raise
-            # a template error is the request's fault
             raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
+        except BaseException:
+            ticket.release()
+            raise
         return await serving.run(raw, body, processed, params, ChatFormatter, ticket)
 
 

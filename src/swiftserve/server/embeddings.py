@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import base64
 import struct
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
-from swiftserve.batching import DynamicBatcher, QueueFull, QueueTimeout
-from swiftserve.model.encoder import EncoderModel
+from swiftserve.batching import QueueFull, QueueTimeout
+from swiftserve.engine.embedding import EmbeddingEngine
 from swiftserve.server.errors import APIError
 from swiftserve.server.protocol import _Strict
 
@@ -23,36 +24,17 @@ class EmbeddingRequest(_Strict):
 
 
 class EmbeddingService:
-    """The encoder behind an adaptive DynamicBatcher (started with the app)."""
+    """/v1/embeddings over the engine layer's EmbeddingEngine (started with the app)."""
 
-    def __init__(
-        self,
-        encoder: EncoderModel,
-        *,
-        max_batch_size: int = 32,
-        max_wait_ms: float = 10.0,
-        target_p99_ms: float | None = 200.0,
-        max_queue_size: int = 4096,
-        max_inputs: int = 256,
-    ):
-        self.encoder = encoder
+    def __init__(self, path: str | Path, *, max_inputs: int = 256, **batcher_options: Any):
+        self.engine = EmbeddingEngine(path, **batcher_options)
         self.max_inputs = max_inputs
-        self.batcher = DynamicBatcher(
-            encoder.embed,
-            max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
-            adaptive=True,
-            target_p99_ms=target_p99_ms,
-            max_queue_size=max_queue_size,
-            priority_levels=2,
-            aging_ms=1000.0,
-        )
 
     async def start(self) -> None:
-        await self.batcher.start()
+        await self.engine.start()
 
     async def stop(self) -> None:
-        await self.batcher.stop()
+        await self.engine.stop()
 
     def inputs(self, body: EmbeddingRequest) -> list[str | list[int]]:
         raw = body.input
@@ -67,7 +49,7 @@ class EmbeddingService:
             raise APIError(400, "input: must not be empty", param="input")
         if len(items) > self.max_inputs:
             raise APIError(400, f"input: at most {self.max_inputs} inputs per request", param="input")
-        vocab = self.encoder.tokenizer.vocab_size
+        vocab = self.engine.vocab_size
         for item in items:
             if isinstance(item, str) and not item:
                 raise APIError(400, "input: strings must not be empty", param="input")
@@ -80,7 +62,7 @@ class EmbeddingService:
 
         items = self.inputs(body)
         try:
-            vectors = await asyncio.gather(*(self.batcher.submit(x, priority=body.priority) for x in items))
+            vectors = await asyncio.gather(*(self.engine.submit(x, priority=body.priority) for x in items))
         except QueueFull as e:
             raise APIError(
                 503,
@@ -91,7 +73,7 @@ class EmbeddingService:
             ) from e
         except QueueTimeout as e:
             raise APIError(408, str(e), type_="timeout_error", code="deadline_exceeded") from e
-        tokens = sum(self.encoder.count_tokens(x) for x in items)
+        tokens = sum(self.engine.count_tokens(x) for x in items)
         data = [
             {
                 "object": "embedding",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,48 +14,25 @@ import uvicorn
 
 from swiftserve.config import EngineConfig
 from swiftserve.engine.async_llm import AsyncLLM
-from swiftserve.model.encoder import EncoderModel, is_encoder_checkpoint
+from swiftserve.engine.embedding import is_encoder_checkpoint
+from swiftserve.engine.model_source import resolve_model
 from swiftserve.server.app import create_app
 from swiftserve.server.embeddings import EmbeddingService
 from swiftserve.server.http_protocol import OpenAIH11Protocol
-from swiftserve.server.serving import ServerSettings
+from swiftserve.server.settings import ServerSettings
 
 logger = logging.getLogger("swiftserve.server")
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        help="503 + Retry-After once this many requests wait beyond max_num_seqs",
-    )
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
-    parser.add_argument("--max-n", type=int, default=16)
-    parser.add_argument("--max-prompts", type=int, default=64)
-    parser.add_argument("--max-stop-strings", type=int, default=16)
-    parser.add_argument("--max-stop-length", type=int, default=256)
-    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
-    parser.add_argument(
-        "--max-header-bytes", type=int, default=64 * 1024, help="larger header blocks get 431"
-    )
-    parser.add_argument("--embedding-model", default=None, help="encoder checkpoint for /v1/embeddings")
-    parser.add_argument("--embedding-model-name", default=None)
-    parser.add_argument(
-        "--engine-mode",
-        choices=("process", "thread"),
-        default="process",
-        help="run EngineCore in its own process (default) or in a thread",
-    )
-    parser.add_argument("--log-level", default="info")
-
-
 class _DrainingServer(uvicorn.Server):
-    """First SIGTERM/SIGINT: refuse new work (503), let in-flight requests finish, then exit."""
+    """First SIGTERM/SIGINT: refuse new work (503), let in-flight requests finish, then exit.
+
+    Work still in flight shortly before ``shutdown_timeout`` is ended with a proper error
+    (a JSON 503 body, or an SSE error event and ``[DONE]``), so the process exits within
+    the timeout and no client sees a bare connection close.
+    """
+
+    FLUSH_S = 1.0  # time left for the error responses to go out before the listener closes
 
     def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout: float):
         super().__init__(config)
@@ -63,6 +40,7 @@ class _DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
         self._drain_started: float | None = None
+        self._cancelled_at: float | None = None
         self._dead_since: float | None = None
         # After engine death, keep answering (503 on /health, errors elsewhere) this long so
         # that health checks and load balancers see it, then exit non-zero.
@@ -84,55 +62,54 @@ class _DrainingServer(uvicorn.Server):
             self.exit_code = 1
             return time.monotonic() - self._dead_since >= self.death_grace_s
         if self._drain_started is not None:
-            done = self.serving.in_flight == 0
-            late = time.monotonic() - self._drain_started > self.shutdown_timeout
-            if done or late:
+            now = time.monotonic()
+            if self.serving.in_flight == 0:
+                return True
+            cancel_at = self._drain_started + max(0.0, self.shutdown_timeout - self.FLUSH_S)
+            if self._cancelled_at is None and now >= cancel_at:
+                logger.warning(
+                    "shutdown timeout: ending %d sequence(s) still in flight", self.serving.in_flight
+                )
+                self.serving.cancel_all()
+                self._cancelled_at = now
+            if self._cancelled_at is not None and now - self._cancelled_at >= self.FLUSH_S:
                 return True
         return await super().on_tick(counter)
 
 
-def run_server(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
-    from swiftserve.demo import resolve_model
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+def run_server(settings: ServerSettings, engine_options: dict[str, Any]) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(**engine_options)
     path = resolve_model(config.model)
-    settings = ServerSettings(
-        served_model_name=args.served_model_name or (config.model or "swiftserve-demo"),
-        api_key=args.api_key,
-        max_queued_requests=args.max_queued_requests,
-        max_n=args.max_n,
-        max_prompts=args.max_prompts,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_length=args.max_stop_length,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_timeout=args.shutdown_timeout,
+    settings = replace(
+        settings, served_model_name=settings.served_model_name or config.model or "swiftserve-demo"
     )
     engine: AsyncLLM | None = None
     embedder: EmbeddingService | None = None
     embedding_name = None
     if is_encoder_checkpoint(path):  # an encoder as --model: an embeddings-only server
-        embedder = EmbeddingService(EncoderModel(path))
+        embedder = EmbeddingService(path)
         embedding_name = settings.served_model_name
     else:
-        engine = AsyncLLM(config, str(path), engine_process=args.engine_mode == "process")
-    if args.embedding_model:
-        embedder = EmbeddingService(EncoderModel(args.embedding_model))
-        embedding_name = args.embedding_model_name or Path(args.embedding_model).name
+        engine = AsyncLLM(config, str(path), engine_process=settings.engine_mode == "process")
+    if settings.embedding_model:
+        embedder = EmbeddingService(settings.embedding_model)
+        embedding_name = settings.embedding_model_name or Path(settings.embedding_model).name
     app = create_app(engine, settings, embedder, embedding_name)
     uv_config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        http=OpenAIH11Protocol,
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=int(args.shutdown_timeout),
-        h11_max_incomplete_event_size=args.max_header_bytes,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        http=OpenAIH11Protocol.with_timeouts(settings.header_timeout or None, settings.body_timeout or None),
+        timeout_keep_alive=int(max(1, settings.keep_alive_timeout)),
+        # the drain above ends every request in time; this only bounds the last flush
+        timeout_graceful_shutdown=int(_DrainingServer.FLUSH_S) + 1,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
     )
-    server = _DrainingServer(uv_config, app, args.shutdown_timeout)
-    url = f"http://{args.host}:{args.port}"
-    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+    server = _DrainingServer(uv_config, app, settings.shutdown_timeout)
+    url = f"http://{settings.host}:{settings.port}"
+    auth = f' -H "Authorization: Bearer {settings.api_key}"' if settings.api_key else ""
     print(
         f"\nswiftserve: serving {settings.served_model_name} at {url}/v1\n"
         f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "

@@ -22,6 +22,12 @@ class ServerMetrics:
         self.prefix_queries = Gauge("swiftserve:prefix_cache_queries", "Prompt tokens looked up", registry=r)
         self.prefix_hits = Gauge("swiftserve:prefix_cache_hits", "Prompt tokens found cached", registry=r)
         self.preemptions = Gauge("swiftserve:num_preemptions_total", "Preemptions so far", registry=r)
+        self.frontend_requests = Gauge(
+            "swiftserve:frontend_requests", "Requests holding frontend state (queue, detokenizer)", registry=r
+        )
+        self.sequences_in_flight = Gauge(
+            "swiftserve:sequences_in_flight", "Admitted sequences (prompts x n) not yet answered", registry=r
+        )
         self.ttft = Histogram(
             "swiftserve:time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -83,6 +89,8 @@ class ServerMetrics:
             self.prefix_queries.set(stats["prefix_queries"])
             self.prefix_hits.set(stats["prefix_hits"])
             self.preemptions.set(stats["num_preemptions"])
+        if "frontend_requests" in stats:
+            self.frontend_requests.set(stats["frontend_requests"])
         if embedding is not None:
             self.embed_batches.set(embedding["batches"])
             self.embed_items.set(embedding["items"])

@@ -1,17 +1,57 @@
-"""OpenAI request shapes (pydantic), strict: wrong types, NaN and unknown fields are 400s."""
+"""OpenAI request shapes (pydantic), strict: wrong types, NaN and unknown fields are 400s.
+
+Every numeric field has bounds here, at the protocol layer, so the engine never sees an
+out-of-range value (an integer past 2**63 once killed the engine process). Types are strict:
+``"max_tokens": "5"`` is a 400, not a 5. Strings with lone surrogates (``"\ud800"``, legal in
+JSON, not encodable as UTF-8) are refused before anything tokenizes them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swiftserve.sampling_params import SamplingParams
+from swiftserve.sampling_params import MAX_SEED, SamplingParams
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_TOKEN_IDS = 256
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        bad = find_unencodable(data)
+        if bad is not None:
+            raise ValueError(f"{bad}: string is not valid UTF-8 (lone surrogate)")
+        return data
+
+
+def find_unencodable(value: Any, path: str = "body") -> str | None:
+    """The path of the first string in ``value`` that cannot be encoded as UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = find_unencodable(item, f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(_Strict):
@@ -23,27 +63,27 @@ class _SamplingFields(_Strict):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
-    timeout: float | None = Field(default=None, gt=0)
+    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)
+    timeout: float | None = Field(default=None, gt=0, le=1e7)
 
     def sampling_kwargs(self, defaults: Mapping[str, float]) -> dict[str, Any]:
         """SamplingParams keywords; unset sampling fields take ``defaults`` (the checkpoint's)."""
@@ -52,7 +92,8 @@ class _SamplingFields(_Strict):
             "n": self.n,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "seed": self.seed,
+            # OpenAI's seed is any int64; the generator takes an unsigned 64-bit value.
+            "seed": None if self.seed is None else self.seed % (MAX_SEED + 1),
             "stop": tuple(stop),
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
@@ -70,7 +111,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
@@ -97,7 +138,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True

@@ -12,37 +12,22 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from swiftserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestDeadlineError
+from swiftserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestDeadlineError, ServerShutdownError
 from swiftserve.engine.inputs import InvalidRequestError, ProcessedPrompt
 from swiftserve.outputs import RequestOutput
 from swiftserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from swiftserve.server.errors import APIError, bad_request
 from swiftserve.server.metrics import ServerMetrics
 from swiftserve.server.protocol import _SamplingFields
+from swiftserve.server.settings import ServerSettings
 
 _FIELD = re.compile(r"^(?:SamplingParams\.)?(\w+)")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """HTTP-level limits and identity. Every limit is a ``serve`` flag."""
-
-    served_model_name: str
-    api_key: str | None = None
-    max_queued_requests: int | None = None
-    max_n: int = 16
-    max_prompts: int = 64
-    max_stop_strings: int = 16
-    max_stop_length: int = 256
-    max_body_bytes: int = 16 * 1024 * 1024
-    shutdown_timeout: float = 30.0
 
 
 def to_api_error(error: BaseException) -> APIError:
@@ -59,6 +44,14 @@ def to_api_error(error: BaseException) -> APIError:
             param="timeout",
             code="deadline_exceeded",
         )
+    if isinstance(error, ServerShutdownError):
+        return APIError(
+            503,
+            "The server shut down before this request finished.",
+            type_="server_error",
+            code="shutdown",
+            headers={"Retry-After": "5"},
+        )
     if isinstance(error, EngineDeadError):
         return APIError(
             500,
@@ -73,17 +66,20 @@ def to_api_error(error: BaseException) -> APIError:
 
 
 class Ticket:
-    """One admitted HTTP request's seat in the in-flight count; release() is idempotent."""
+    """One admitted HTTP request's seats (one per sequence) in the in-flight count.
 
-    def __init__(self, serving: OpenAIServing):
+    release() is idempotent.
+    """
+
+    def __init__(self, serving: OpenAIServing, seats: int):
         self._serving = serving
-        self._held = True
-        serving.in_flight += 1
+        self._seats = seats
+        serving.in_flight += seats
 
     def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._serving.in_flight -= 1
+        if self._seats:
+            self._serving.in_flight -= self._seats
+            self._seats = 0
 
 
 class OpenAIServing:
@@ -143,10 +139,12 @@ class OpenAIServing:
         except ValueError as e:
             raise to_api_error(e) from e
 
-    def admit(self) -> Ticket:
+    def admit(self, num_sequences: int) -> Ticket:
         """Refuse fast (503 + Retry-After) when draining, dead, or the queue is full.
 
-        The seat is taken here, before tokenization, so a burst cannot slip past the limit.
+        Admission counts sequences (prompts x n), not HTTP requests: one request with 64
+        prompts and n=16 is 1,024 sequences of work. The seats are taken here, before
+        tokenization, so a burst cannot slip past the limit.
         """
         if self.draining:
             raise APIError(
@@ -159,7 +157,14 @@ class OpenAIServing:
         if self.engine.is_dead:
             raise APIError(503, "The engine is not available.", type_="server_error", code="engine_dead")
         limit = self.settings.max_queued_requests
-        if limit is not None and self.in_flight >= self.engine.config.max_num_seqs + limit:
+        capacity = None if limit is None else self.engine.config.max_num_seqs + limit
+        if capacity is not None and num_sequences > capacity:
+            raise bad_request(
+                f"this request has {num_sequences} sequences (prompts x n); the server admits at most "
+                f"{capacity} at a time",
+                "n",
+            )
+        if capacity is not None and self.in_flight + num_sequences > capacity:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise APIError(
                 503,
@@ -168,7 +173,12 @@ class OpenAIServing:
                 code="overloaded",
                 headers={"Retry-After": "1"},
             )
-        return Ticket(self)
+        return Ticket(self, num_sequences)
+
+    def cancel_all(self) -> None:
+        """End every request in flight with a shutdown error (the drain's deadline)."""
+        if self._engine is not None:
+            self._engine.fail_all(ServerShutdownError("the server is shutting down"))
 
     async def prepare(
         self, prompts: list[Any], params: SamplingParams, add_special_tokens: bool = True

@@ -9,6 +9,7 @@ the weights come from a seeded ``transformers`` initialisation.
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -142,24 +143,56 @@ def write_random_checkpoint(
     return out
 
 
-DEMO_MODEL_DIR = Path(__file__).with_name("demo_model")
+def write_random_encoder(out: str | Path, seed: int = 0) -> Path:
+    """A tiny random BERT with a WordPiece tokenizer and sentence-transformers modules."""
+    import torch
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertConfig, BertModel, BertTokenizerFast  # type: ignore[attr-defined]
 
-
-def demo_model_dir() -> Path:
-    """The built-in demo: the trained checkpoint shipped in the package (``swiftserve train-demo``)."""
-    if (DEMO_MODEL_DIR / "config.json").is_file():
-        return DEMO_MODEL_DIR
-    raise ValueError(
-        f"the built-in demo model is missing ({DEMO_MODEL_DIR}); pass --model DIR, or recreate it "
-        f"with `swiftserve train-demo --out {DEMO_MODEL_DIR}` (about 13 minutes on 2 cores)"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    wp = BertWordPieceTokenizer(lowercase=True)
+    wp.train_from_iterator(_corpus(), vocab_size=1000, show_progress=False)
+    wp.save_model(str(out))
+    tokenizer = BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=True)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
     )
-
-
-def resolve_model(model: str | None) -> Path:
-    """A checkpoint directory for ``model`` (the demo when None)."""
-    if model is None:
-        return demo_model_dir()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model: {model!r} is not a local checkpoint directory (no hub access)")
-    return path
+    BertModel(config).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 64,
+                "pooling_mode_mean_tokens": True,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            }
+        )
+    )
+    (out / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 128, "do_lower_case": False})
+    )
+    return out

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from swiftserve.corpus import HELDOUT_MODULUS, read_texts, split_files
+from swiftserve.tools.corpus import HELDOUT_MODULUS, read_texts, split_files
 
 DEMO_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
 
@@ -73,7 +73,7 @@ def _build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
     import torch
     import transformers
 
-    from swiftserve.demo import model_config
+    from swiftserve.tools.demo import model_config
 
     shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "max_position_embeddings")  # fmt: skip
@@ -131,7 +131,7 @@ def train_demo(
     """
     import torch
 
-    from swiftserve.demo import build_tokenizer
+    from swiftserve.tools.demo import build_tokenizer
 
     cfg = cfg or TrainConfig()
     started = time.perf_counter()

@@ -63,7 +63,7 @@ def hf_nll(model_dir: str, windows: list[list[int]], dtype: str, progress: bool)
 def load_text(data: str) -> str:
     """``held-out`` (the demo model's held-out stdlib files) or a UTF-8 text file."""
     if data == "held-out":
-        from swiftserve.corpus import heldout_text
+        from swiftserve.tools.corpus import heldout_text
 
         return heldout_text()
     path = Path(data)
@@ -74,7 +74,7 @@ def load_text(data: str) -> str:
 
 def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
     from swiftserve import LLM
-    from swiftserve.demo import resolve_model
+    from swiftserve.engine.model_source import resolve_model
     from swiftserve.model.config import ModelConfig
 
     if args.context_len is None:  # one position is left for the single generated token

@@ -1,0 +1,63 @@
+"""Frontend: what the offline LLM and the server's AsyncLLM share on the frontend side.
+
+The tokenizer, EOS ids, input processing (prompt forms, character budget, tokenization,
+validation), output processing (detokenization, stop strings) and the n-way fan-out of a
+request into core-level child requests. Built from the checkpoint and the engine's CoreInfo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from swiftserve.core.messages import CoreInfo, EngineCoreRequest
+from swiftserve.engine.generation_config import default_sampling
+from swiftserve.engine.inputs import InputProcessor, ProcessedPrompt, max_token_chars
+from swiftserve.engine.output_processor import OutputProcessor
+from swiftserve.sampling_params import SamplingParams
+
+
+def child_seed(seed: int | None, index: int, n: int) -> int | None:
+    """Distinct, reproducible seeds for the n sequences of one seeded request."""
+    if seed is None or n == 1:
+        return seed
+    return (seed * 1_000_003 + index * 7_919 + 1) % (2**63)
+
+
+class Frontend:
+    """Tokenizer, input and output processing of one served model."""
+
+    def __init__(self, tokenizer: Any, model_path: str | Path, info: CoreInfo):
+        self.tokenizer = tokenizer
+        self.max_model_len = info.max_model_len
+        self.inputs = InputProcessor(
+            tokenizer, info.vocab_size, info.max_model_len, max_token_chars(tokenizer)
+        )
+        eos = tokenizer.eos_token_id
+        self.eos_token_ids = info.eos_token_ids or ((eos,) if eos is not None else ())
+        self.processor = OutputProcessor(tokenizer)
+        self.default_sampling = default_sampling(model_path)
+
+    def add_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        max_tokens: int,
+        priority: int,
+        arrival_time: float,
+    ) -> list[EngineCoreRequest]:
+        """Register a request with the output processor; its core requests (one per sequence)."""
+        children = self.processor.add_request(request_id, processed.prompt, processed.token_ids, params)
+        return [
+            EngineCoreRequest(
+                child,
+                processed.token_ids,
+                params if params.n == 1 else params.replace(n=1, seed=child_seed(params.seed, i, params.n)),
+                max_tokens,
+                self.eos_token_ids,
+                priority,
+                arrival_time,
+            )
+            for i, child in enumerate(children)
+        ]

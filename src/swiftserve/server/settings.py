@@ -1,0 +1,61 @@
+"""ServerSettings: every ``swiftserve serve`` option that is not an engine option.
+
+The ``serve`` flags are generated from this dataclass (cli_args.py), as the engine flags are
+from EngineConfig: one source of truth for names, defaults and validation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swiftserve._options import check_range, reject_unknown_options
+
+ENGINE_MODES = ("process", "thread")
+
+
+@reject_unknown_options
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-level identity, limits and timeouts.
+
+    ``max_queued_requests``: past ``max_num_seqs`` + this many sequences (prompts x n) in
+    flight, new requests get 503 + Retry-After. ``header_timeout`` / ``body_timeout``: seconds
+    a client has to send its request headers / body (408 after; 0 = no limit);
+    ``keep_alive_timeout``: idle seconds between requests on one connection.
+    ``allowed_hosts``: when set, the Host header (and Origin, when sent) must name one of
+    these hosts (a DNS-rebinding guard); 403 otherwise.
+    """
+
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    shutdown_timeout: float = 30.0
+    max_n: int = 16
+    max_prompts: int = 64
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    allowed_hosts: tuple[str, ...] | None = None
+    embedding_model: str | None = None
+    embedding_model_name: str | None = None
+    engine_mode: str = "process"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        own = "ServerSettings"
+        if self.engine_mode not in ENGINE_MODES:
+            raise ValueError(f"{own}.engine_mode must be one of {ENGINE_MODES}, got {self.engine_mode!r}")
+        for name in ("max_n", "max_prompts", "max_stop_strings", "max_stop_length", "max_body_bytes"):
+            check_range(own, name, getattr(self, name), 1)
+        check_range(own, "max_header_bytes", self.max_header_bytes, 1024)
+        check_range(own, "port", self.port, 0, 65535)
+        for name in ("shutdown_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            check_range(own, name, getattr(self, name), 0)
+        if self.max_queued_requests is not None:
+            check_range(own, "max_queued_requests", self.max_queued_requests, 0)

@@ -1,0 +1,30 @@
+"""EncoderRunner: the worker side of embeddings (loads the encoder, runs batches of inputs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from swiftserve.model.encoder import EncoderModel, is_encoder_checkpoint
+
+__all__ = ["EncoderRunner", "is_encoder_checkpoint"]
+
+
+class EncoderRunner:
+    """Owns one encoder model; ``embed`` runs a whole batch in one forward."""
+
+    def __init__(self, path: str | Path, dtype: str = "float32"):
+        self.model = EncoderModel(path, dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.tokenizer.vocab_size)
+
+    @property
+    def max_seq_length(self) -> int:
+        return int(self.model.max_seq_length)
+
+    def count_tokens(self, item: str | list[int]) -> int:
+        return self.model.count_tokens(item)
+
+    def embed(self, items: list[str | list[int]]) -> list[list[float]]:
+        return self.model.embed(items)
