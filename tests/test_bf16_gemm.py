@@ -74,7 +74,7 @@ def test_pack_layout_and_bad_inputs() -> None:
         OPS.bf16_linear(torch.zeros(2, 64), layer.packed, 40, None)
 
 
-def test_pack_linears_chooses_kernel_and_honours_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pack_linears_chooses_kernel_and_honours_switch() -> None:
     def model() -> nn.Module:
         torch.manual_seed(3)
         return nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 33, bias=False), nn.Linear(33, 8)).to(
@@ -84,12 +84,11 @@ def test_pack_linears_chooses_kernel_and_honours_switch(monkeypatch: pytest.Monk
     reference = model()
     x = torch.randn(5, 64).to(torch.bfloat16)
     ours = model()
-    assert pack_linears(ours) == 3
+    assert pack_linears(ours, OPS) == 3
     kinds = [type(m) for m in ours]
     assert kinds == [PanelLinear, PanelLinear, PackedLinear]  # odd in_features (33): oneDNN
     torch.testing.assert_close(ours(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
-    monkeypatch.setenv("SWIFTSERVE_BF16_GEMM", "onednn")
-    assert panel_kernels(nn.Linear(64, 8).to(torch.bfloat16)) is None
+    assert panel_kernels(nn.Linear(64, 8).to(torch.bfloat16), None) is None  # bf16_gemm="onednn"
     onednn = model()
-    assert pack_linears(onednn) == 3 and all(isinstance(m, PackedLinear) for m in onednn)
+    assert pack_linears(onednn, None) == 3 and all(isinstance(m, PackedLinear) for m in onednn)
     torch.testing.assert_close(onednn(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)

@@ -27,16 +27,16 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     )
 
 
-def run(model_dir: Path, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list:  # type: ignore[type-arg]
-    monkeypatch.setenv("SWIFTSERVE_FUSED_PREFILL", "1" if fused else "0")
+def run(model_dir: Path, fused: bool) -> list:  # type: ignore[type-arg]
     llm = LLM(
         model=str(model_dir),
+        fused_prefill=fused,
         dtype="bfloat16",
         max_num_batched_tokens=37,  # prompts split into chunks, decode rows mixed in
         block_size=16,
         enable_prefix_caching=True,
     )
-    assert llm.engine.runner.fused_prefill is fused
+    assert llm.engine.executor.worker.runner.fused_prefill is fused
     rng = random.Random(0)
     shared = [rng.randrange(5, 500) for _ in range(40)]  # a prefix-cache hit for later prompts
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 70, 17, 33)]
@@ -47,8 +47,8 @@ def run(model_dir: Path, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list: 
     return first + second
 
 
-def test_fused_prefill_matches_sdpa(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fused, sdpa = run(model_dir, True, monkeypatch), run(model_dir, False, monkeypatch)
+def test_fused_prefill_matches_sdpa(model_dir: Path) -> None:
+    fused, sdpa = run(model_dir, True), run(model_dir, False)
     for a, b in zip(fused, sdpa, strict=True):
         ids = a.prompt_token_ids
         assert a.prompt_logprobs is not None and b.prompt_logprobs is not None

@@ -9,9 +9,12 @@ import torch.nn.functional as F
 
 from swiftserve.model.kernels import cpu_kernels
 from swiftserve.model.llama import RMSNorm
+from swiftserve.model.ops import CpuOps, KernelOptions, TorchOps
 from swiftserve.model.rotary import RotaryEmbedding, apply_rotary
 
 OPS = cpu_kernels()
+REF = TorchOps()
+CPU = CpuOps(OPS, KernelOptions()) if OPS is not None else REF
 pytestmark = pytest.mark.skipif(OPS is None, reason="CPU kernels could not be built here")
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -33,10 +36,10 @@ def test_rms_norm_and_residual_add(dtype: torch.dtype, rows: int) -> None:
     norm.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(rows, 576).to(dtype)
     residual = torch.randn(rows, 576).to(dtype)
-    close(norm(x, OPS), norm(x))
-    want, want_res = norm.add_forward(x, residual.clone())
+    close(norm(x, CPU), norm(x, REF))
+    want, want_res = norm.add_forward(x, residual.clone(), REF)
     fused_res = residual.clone()
-    got, got_res = norm.add_forward(x, fused_res, OPS)
+    got, got_res = norm.add_forward(x, fused_res, CPU)
     assert got_res is fused_res  # updated in place
     close(got_res, want_res)
     close(got, want)
@@ -77,8 +80,6 @@ def test_bad_inputs_raise_instead_of_corrupting() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_kernel_matches_index_copy(dtype: torch.dtype) -> None:
     """K/V views into a fused qkv output land at their slots exactly as index_copy_ puts them."""
-    from swiftserve.model.attention import write_kv
-
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim, blocks, bs = 37, 6, 2, 16, 12, 4
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
@@ -86,8 +87,8 @@ def test_write_kv_kernel_matches_index_copy(dtype: torch.dtype) -> None:
     k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
     slots = torch.randperm(blocks * bs)[:tokens]
     caches = [torch.zeros(kv_heads, blocks, bs, dim, dtype=dtype) for _ in range(4)]
-    write_kv(k, v, caches[0], caches[1], slots)
-    write_kv(k, v, caches[2], caches[3], slots, OPS)
+    REF.write_kv_(k, v, caches[0], caches[1], slots)
+    CPU.write_kv_(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="slot out of range"):
         OPS.write_kv_(k, v, caches[2], caches[3], slots + blocks * bs)

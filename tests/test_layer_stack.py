@@ -26,10 +26,12 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return write_random_checkpoint(out, preset="tiny", architecture=request.param, **SHAPE)
 
 
-def generate(model_dir: Path, stack: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:  # type: ignore[type-arg]
-    monkeypatch.setenv("SWIFTSERVE_LAYER_STACK", "1" if stack else "0")
-    llm = LLM(model=str(model_dir), dtype="bfloat16", max_num_batched_tokens=40, block_size=16)
-    model = llm.engine.runner.model
+def generate(model_dir: Path, stack: bool) -> tuple[list, int]:  # type: ignore[type-arg]
+    llm = LLM(
+        model=str(model_dir), dtype="bfloat16", max_num_batched_tokens=40, block_size=16, layer_stack=stack
+    )
+    worker = llm.engine.executor.worker
+    model = worker.model
     calls = 0
     original = OPS.decoder_stack
 
@@ -42,19 +44,19 @@ def generate(model_dir: Path, stack: bool, monkeypatch: pytest.MonkeyPatch) -> t
             calls += 1
             return original(*args)
 
-    llm.engine.runner.kernel = Counting()
+    worker.ops.cpp = Counting()  # type: ignore[attr-defined]
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(5, 500) for _ in range(n)]} for n in (3, 50, 21)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert bool(model._stack) is stack
+    assert bool(model.stack) is stack
     return outs, calls
 
 
-def test_stack_is_bit_identical_to_python_loop(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stack_is_bit_identical_to_python_loop(model_dir: Path) -> None:
     (fast, calls), (slow, none) = (
-        generate(model_dir, True, monkeypatch),
-        generate(model_dir, False, monkeypatch),
+        generate(model_dir, True),
+        generate(model_dir, False),
     )
     assert calls > 8 and none == 0  # prompt chunks and decode steps went through it
     for a, b in zip(fast, slow, strict=True):

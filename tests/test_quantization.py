@@ -14,6 +14,7 @@ from torch import nn
 
 from swiftserve import LLM, SamplingParams
 from swiftserve.model import quant_linear
+from swiftserve.model.kernels import cpu_kernels
 from swiftserve.model.quant_linear import Int4Linear, Int8Linear, int4_group_for, quantize_model, weight_bytes
 from swiftserve.model.quant_ops import (
     dequantize_int4,
@@ -63,7 +64,7 @@ def test_int4_rejects_bad_group_sizes() -> None:
 def test_both_kernel_paths_compute_with_the_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(256, 192, bias=True).to(dtype)
-    layer = Int8Linear(linear) if kind == "int8" else Int4Linear(linear, 32)
+    layer = Int8Linear(linear, cpu_kernels()) if kind == "int8" else Int4Linear(linear, 32)
     weight = layer.dequantized().float()
     tol = 1e-4 if dtype == torch.float32 else 0.03  # bf16 output rounding on values of size ~2
     for rows in (1, 2, 3, 5, 40):  # fused kernel for few rows, dequantize + GEMM for many
@@ -75,7 +76,7 @@ def test_both_kernel_paths_compute_with_the_dequantized_weight(kind: str, dtype:
 def test_int8_kernel_layout_round_trips_and_is_used_here() -> None:
     w = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
     assert torch.equal(quant_linear.unpack_rows4(quant_linear.pack_rows4(w)), w)
-    layer = Int8Linear(nn.Linear(96, 64, bias=False))
+    layer = Int8Linear(nn.Linear(96, 64, bias=False), cpu_kernels())
     if layer.kernel is None:
         pytest.skip("CPU kernels not built here")
     assert layer.qweight.shape == (16, 6, 4, 16)  # packed for the GEMV kernel
@@ -145,7 +146,7 @@ def test_quantized_engine_equals_engine_on_dequantized_weights(
         lp_a = [a.outputs[0].logprobs[j][t].logprob for j, t in enumerate(a.outputs[0].token_ids)]
         lp_b = [b.outputs[0].logprobs[j][t].logprob for j, t in enumerate(b.outputs[0].token_ids)]
         assert lp_a == pytest.approx(lp_b, abs=1e-4)
-    assert quantized.engine.weight_bytes < reference.engine.weight_bytes
+    assert quantized.engine.model_info.weight_bytes < reference.engine.model_info.weight_bytes
 
 
 def test_serve_and_generate_take_quantization_flags(

@@ -7,7 +7,16 @@ import argparse
 import dataclasses
 from typing import Any
 
-from swiftserve.config import DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
+from swiftserve.config import (
+    BF16_GEMMS,
+    DEVICES,
+    DTYPES,
+    KERNEL_BACKENDS,
+    LOAD_FORMATS,
+    POLICIES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from swiftserve.server.settings import ENGINE_MODES, ServerSettings
 
 _CHOICES = {
@@ -15,6 +24,10 @@ _CHOICES = {
     "scheduling_policy": POLICIES,
     "quantization": QUANTIZATIONS,
     "engine_mode": ENGINE_MODES,
+    "kernel_backend": KERNEL_BACKENDS,
+    "bf16_gemm": BF16_GEMMS,
+    "device": DEVICES,
+    "load_format": LOAD_FORMATS,
 }
 
 
@@ -31,12 +44,18 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in _comma_list(text))
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--kebab-case`` flag per field of an option dataclass (unset flags stay None)."""
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        if kind.startswith("tuple"):
+        if kind.startswith("tuple[int"):
+            parser.add_argument(flag, type=_int_list, default=None, metavar="N,N,...")
+        elif kind.startswith("tuple"):
             parser.add_argument(flag, type=_comma_list, default=None, metavar="A,B,...")
         elif "bool" in kind:
             parser.add_argument(flag, type=_parse_bool, default=None, metavar="BOOL")

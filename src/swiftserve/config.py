@@ -10,6 +10,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128)
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
+BF16_GEMMS = ("panel", "onednn")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 
@@ -25,6 +29,16 @@ class EngineConfig:
     too when ``quantize_lm_head``, embeddings never.
     ``aging_interval_s``: a waiting request gains one priority level per this many seconds
     waited (priority policy only), which bounds starvation (see core/request_queue.py).
+    ``kernel_backend``: "auto" (the C++ CPU kernels when they built, else PyTorch), "torch"
+    (the reference) or "cpu". A/B switches of the CPU kernels: ``bf16_gemm`` ("panel": our
+    AVX512-BF16 GEMM; "onednn"), ``fused_prefill`` (bfloat16 prompt rows through the row
+    attention kernel instead of SDPA), ``layer_stack`` (the decoder stack in one C++ call).
+    ``device``: "auto" is CUDA when a GPU is visible, else the CPU. On CUDA the KV pool takes
+    ``gpu_memory_utilization`` of the GPU's memory less the weights and the activation peak of
+    one profiling forward; decode-only steps replay CUDA graphs captured at the
+    ``cuda_graph_sizes`` batch buckets (default 1, 2, 4, 8, then steps of 8 up to
+    ``max_num_seqs``) unless ``enforce_eager``. ``load_format="dummy"``: seeded random weights
+    from config.json alone (benchmarks of big shapes).
     """
 
     model: str | None = None
@@ -45,6 +59,15 @@ class EngineConfig:
     quantization: str | None = None
     quant_group_size: int = 128
     quantize_lm_head: bool = False
+    kernel_backend: str = "auto"
+    bf16_gemm: str = "panel"
+    fused_prefill: bool = True
+    layer_stack: bool = True
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
@@ -58,6 +81,18 @@ class EngineConfig:
             raise ValueError(
                 f"{own}.quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
             )
+        check_range(own, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        for size in self.cuda_graph_sizes or ():
+            _positive_int(own, "cuda_graph_sizes", size, 1)
+        choices = (
+            ("kernel_backend", KERNEL_BACKENDS),
+            ("bf16_gemm", BF16_GEMMS),
+            ("device", DEVICES),
+            ("load_format", LOAD_FORMATS),
+        )
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{own}.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.quant_group_size not in QUANT_GROUP_SIZES:
             raise ValueError(
                 f"{own}.quant_group_size must be one of {QUANT_GROUP_SIZES}, got {self.quant_group_size!r}"
@@ -88,3 +123,13 @@ class EngineConfig:
 def _positive_int(owner: str, name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{owner}.{name} must be an integer >= {low}, got {value!r}")
+
+
+def graph_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """The decode batch sizes to capture: config.cuda_graph_sizes, or 1, 2, 4, 8, 16, 24, ...
+    up to max_num_seqs (vLLM's default buckets)."""
+    if config.cuda_graph_sizes:
+        return tuple(sorted(set(config.cuda_graph_sizes)))
+    sizes = [s for s in (1, 2, 4) if s < config.max_num_seqs]
+    sizes += list(range(8, config.max_num_seqs, 8))
+    return (*sizes, config.max_num_seqs)

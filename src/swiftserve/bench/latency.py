@@ -1,4 +1,8 @@
-"""``swiftserve bench latency``: one request at a time, in process: TTFT and TPOT over repeats."""
+"""``swiftserve bench latency``: one request at a time, in process: TTFT and TPOT over repeats.
+
+Every repeat sends a fresh random prompt: a repeated prompt would hit the prefix cache and
+report a TTFT below what the machine can compute.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +20,14 @@ def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
     from swiftserve import LLM, SamplingParams
 
     llm = LLM(args.model, **engine)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.model_info.vocab_size
     rng = random.Random(args.bench_seed)
-    prompt = [rng.randrange(16, vocab) for _ in range(args.input_len)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate({"prompt_token_ids": prompt[:8]}, SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    warm = [rng.randrange(16, vocab) for _ in range(8)]
+    llm.generate({"prompt_token_ids": warm}, SamplingParams(max_tokens=4), use_tqdm=False)
     ttft, tpot = [], []
     for _ in tqdm(range(args.repeats), desc="repeats"):
+        prompt = [rng.randrange(16, vocab) for _ in range(args.input_len)]  # fresh: no cache hit
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
         m = out.metrics
         assert m is not None and m.first_token_time is not None and m.finished_time is not None

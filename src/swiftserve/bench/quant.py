@@ -84,10 +84,13 @@ def measure(
     from swiftserve.tools.evaluate import engine_nll
 
     llms = {name: _build(args, name) for name in tqdm(names, desc="loading variants")}
-    vocab = next(iter(llms.values())).engine.model_config.vocab_size
+    vocab = next(iter(llms.values())).engine.model_info.vocab_size
     rng = random.Random(args.bench_seed)
     prompts = [[rng.randrange(16, vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
-    rows = {name: {"variant": name, "weight_bytes": llm.engine.weight_bytes} for name, llm in llms.items()}
+    rows = {
+        name: {"variant": name, "weight_bytes": llm.engine.model_info.weight_bytes}
+        for name, llm in llms.items()
+    }
     for name, llm in llms.items():
         llm.generate({"prompt_token_ids": prompts[0][:8]}, use_tqdm=False)  # warm-up
         if windows:

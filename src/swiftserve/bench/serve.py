@@ -150,13 +150,19 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from swiftserve.bench.serve_report import print_table, save_plots
 
     rates = [float(x) for x in str(args.request_rate).split(",")]
-    reqs = build_requests(args)
     reports = []
     with Progress() as progress:
-        for rate in rates:
+        for i, rate in enumerate(rates):
+            # Distinct prompts per rate: a sweep must not find the previous rate's prompts cached.
+            reqs = build_requests(
+                argparse.Namespace(**{**vars(args), "bench_seed": args.bench_seed + 1000 * i})
+            )
             task = progress.add_task(f"rate {rate:g} req/s", total=len(reqs))
             reports.append(asyncio.run(run_rate(args, reqs, rate, lambda t=task: progress.advance(t))))
-    print_table(reports, f"bench serve: {args.dataset}, {len(reqs)} requests, {args.base_url}")
+    print_table(
+        reports,
+        f"bench serve: {args.dataset}, {args.num_prompts} fresh requests per rate, {args.base_url}",
+    )
     if args.plot:
         for file in save_plots(reports, args.plot):
             print(f"saved {file}")
@@ -190,6 +196,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority-mix", default=None, help="fraction:priority,... e.g. 0.2:0,0.8:5")
     parser.add_argument("--slo", default=None, help="e.g. ttft:500,tpot:50 (ms) for goodput")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--bench-seed", type=int, default=0)
+    parser.add_argument(
+        "--bench-seed", "--seed", dest="bench_seed", type=int, default=0, help="(vLLM's name: --seed)"
+    )
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, help="directory for PNG plots")

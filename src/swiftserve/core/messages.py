@@ -167,3 +167,14 @@ class Failed(msgspec.Struct, frozen=True, tag="error"):
 
 
 Reply = Ready | Outputs | Failed
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """What a worker tells the engine core about the model it loaded."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    weight_bytes: int
+    device: str

@@ -1,7 +1,8 @@
-"""EngineCore: the step loop. ``schedule -> execute -> update``, nothing else.
+"""EngineCore: the step. ``schedule -> executor.execute_model -> update``, nothing else.
 
-It speaks plain messages (EngineCoreRequest in, EngineCoreOutput out) so that it can run in
-a background thread today and in its own process later without either side changing.
+It holds the scheduler and an executor; the workers behind the executor own the model. It
+speaks plain messages (EngineCoreRequest in, EngineCoreOutput out), driven by the one loop
+of engine/core_loop.py in the offline LLM, a thread, or its own process.
 """
 
 from __future__ import annotations
@@ -10,74 +11,26 @@ import gc
 import logging
 from pathlib import Path
 
-import torch
-
-from swiftserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
 from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.scheduler import Scheduler
-from swiftserve.model.config import ModelConfig
-from swiftserve.model.loader import load_model
-from swiftserve.model.packed_linear import pack_linears
-from swiftserve.model.quant_linear import quantize_model, weight_bytes
-from swiftserve.worker.model_runner import ModelRunner
+from swiftserve.worker.executor import Executor, UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """config.max_model_len, defaulting to (and never above) the model's position limit."""
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"EngineConfig.max_model_len ({config.max_model_len}) exceeds the model's "
-            f"max_position_embeddings ({limit})"
-        )
-    return config.max_model_len
-
-
-def num_kv_blocks(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
-) -> int:
-    """Pool size from num_kv_blocks, else kv_cache_memory bytes (capped at what can be used)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    block_bytes = config.block_size * model_config.kv_bytes_per_token(dtype.itemsize)
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-    memory = config.kv_cache_memory
-    blocks = (memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
-    if memory is None:
-        blocks = min(blocks, useful)
-    if blocks < 1:
-        raise ValueError(
-            f"EngineConfig.kv_cache_memory ({memory}) is smaller than one KV block ({block_bytes} bytes)"
-        )
-    return int(blocks)
-
-
 class EngineCore:
-    """Scheduler + ModelRunner, stepped by the caller."""
+    """Scheduler + an executor (the workers that own the model), stepped by the caller."""
 
     def __init__(self, config: EngineConfig, model_dir: str | Path, *, progress: bool = True):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.config = config
-        self.model_config = ModelConfig.from_dir(model_dir)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
-        model = load_model(model_dir, config.dtype, self.max_model_len, progress=progress)
-        self.dtype = model.dtype
-        if config.quantization:
-            count = quantize_model(
-                model, config.quantization, config.quant_group_size, lm_head=config.quantize_lm_head
-            )
-            logger.info("quantized %d linear layers to %s", count, config.quantization)
-        packed = pack_linears(model)  # what is left in bfloat16 (e.g. lm_head)
-        logger.info("prepacked %d linear layers", packed)
-        self.weight_bytes = weight_bytes(model)
-        blocks = num_kv_blocks(config, self.model_config, self.dtype, self.max_model_len)
+        self.executor: Executor = UniProcExecutor(config, model_dir, progress=progress)
+        self.model_info = self.executor.model_info
+        self.max_model_len = self.model_info.max_model_len
+        blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(blocks)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -88,14 +41,6 @@ class EngineCore:
             policy=config.scheduling_policy,
             aging_interval_s=config.aging_interval_s,
         )
-        self.runner = ModelRunner(
-            model,
-            num_blocks=blocks,
-            block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            seed=config.seed,
-        )
-        logger.info("KV cache: %d blocks of %d tokens", blocks, config.block_size)
         # Everything allocated so far lives as long as the engine: keep the cyclic GC from
         # walking it on every collection during steps (DESIGN.md, performance rules).
         gc.collect()
@@ -111,7 +56,7 @@ class EngineCore:
         if not 1 <= request.max_tokens < 2**31:
             raise ValueError(f"max_tokens must be in [1, 2**31), got {request.max_tokens!r}")
         ids = request.prompt_token_ids
-        if not ids or min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+        if not ids or min(ids) < 0 or max(ids) >= self.model_info.vocab_size:
             raise ValueError("prompt must be non-empty token ids inside the vocabulary")
         self.scheduler.add_request(
             Request(
@@ -133,7 +78,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over the scheduled tokens; returns what changed."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self.executor.execute_model(sched)
         return self.scheduler.update(sched, result)
 
     def has_unfinished(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,12 @@ def _fault_after() -> int | None:
     return int(value) if value else None
 
 
+def _step_delay() -> float:
+    """SWIFTSERVE_INJECT_STEP_DELAY_S: sleep this long after every step (reliability tests that
+    need work still in flight after a known time, e.g. the shutdown drain)."""
+    return float(os.environ.get("SWIFTSERVE_INJECT_STEP_DELAY_S", "0") or 0)
+
+
 def core_stats(core: EngineCore) -> dict[str, Any]:
     """Scheduler and cache gauges for /metrics."""
     bm = core.block_manager
@@ -56,13 +63,13 @@ def core_stats(core: EngineCore) -> dict[str, Any]:
 
 
 def core_info(core: EngineCore) -> CoreInfo:
-    mc = core.model_config
+    info = core.model_info
     return CoreInfo(
         core.max_model_len,
         core.block_manager.num_blocks,
         core.config.block_size,
-        mc.vocab_size,
-        mc.eos_token_ids,
+        info.vocab_size,
+        info.eos_token_ids,
     )
 
 
@@ -72,6 +79,7 @@ class CoreLoop:
     def __init__(self, core: EngineCore):
         self.core = core
         self._fault_after = _fault_after()
+        self._step_delay = _step_delay()
         self._steps = 0
 
     def apply(self, command: Add | Abort) -> list[EngineCoreOutput]:
@@ -93,6 +101,8 @@ class CoreLoop:
     def step(self) -> list[EngineCoreOutput]:
         outputs = self.core.step()
         self._steps += 1
+        if self._step_delay:
+            time.sleep(self._step_delay)
         if self._fault_after is not None and self._steps >= self._fault_after:
             raise EngineFault("injected engine fault (SWIFTSERVE_INJECT_ENGINE_FAULT_AFTER)")
         return outputs

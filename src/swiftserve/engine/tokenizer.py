@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from swiftserve.model.config import CheckpointError
+from swiftserve.errors import CheckpointError
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -8,11 +8,11 @@ faster per layer than gathering token-major slots and transposing).
 
 Each step first writes the new tokens' K/V into their slots (for every request of the
 batch), then reads each request's context back by block. Decode queries (one token per
-request) go to a fused C++ kernel (model/kernels, one pass over the blocks, no gather)
-when it could be built, else into a padded ``[B, L]`` gather with a mask and two batched
-matmuls; prefill chunks run one SDPA each. In bfloat16 (head_dim 64) the runner sends prompt
-rows to the fused kernel too: every row is then a query at its own position with its
-request's block table (``num_decode`` = all rows, no segments); measured 3-4x less time
+request) go to the backend's ``paged_decode`` (model/ops.py: the fused C++ kernel, one pass
+over the blocks, no gather; or a padded ``[B, L]`` gather with a mask and two batched
+matmuls in the PyTorch reference); prefill chunks run one SDPA each. In bfloat16 (head_dim
+64) the runner sends prompt rows to the fused kernel too: every row is then a query at its
+own position with its request's block table (``num_decode`` = all rows, no segments); measured 3-4x less time
 than one SDPA per 128-token prompt on SmolLM's shapes.
 """
 
@@ -47,27 +47,11 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     decode_positions: torch.Tensor | None = None  # [B] query positions
     window: int | None = None  # sliding window (keys within the last `window` positions)
-    kernel: Any = None  # compiled fused decode kernel (model/kernels), or None
-
-
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kernel: Any = None,
-) -> None:
-    """Store new K/V [T, KVH, D] at their slots."""
-    if kernel is not None and k.dtype == k_cache.dtype:
-        kernel.write_kv_(k, v, k_cache, v_cache, slot_mapping)
-        return
-    heads, dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    ops: Any = None  # the kernel backend (model/ops.py) every layer calls
 
 
 def paged_attention(
+    ops: Any,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -75,36 +59,29 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """Attention for a flat batch. q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
-    # Write every new token first: a request may read blocks another request of the same
-    # batch just wrote (they are only shared once computed, but this keeps it order-free).
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.kernel)
+    """Attention for a flat batch whose new K/V are already in the cache.
+
+    q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]. The first ``num_decode`` rows go to
+    ``ops.paged_decode`` (one query per row, through its block table); each prefill segment
+    is one SDPA call. Every new token is written before any is read: a request may read
+    blocks another request of the same batch just wrote.
+    """
     if not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta)
+        return ops.paged_decode(q, k_cache, v_cache, meta)  # type: ignore[no-any-return]
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta)
+        out[: meta.num_decode] = ops.paged_decode(q[: meta.num_decode], k_cache, v_cache, meta)
     for seg in meta.prefills:
         out[seg.q_start : seg.q_end] = _prefill(q, k, v, k_cache, v_cache, seg)
     return out
 
 
-def _decode(
+def masked_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
-    assert meta.decode_tables is not None
+    """Decode rows by a padded [B, L] gather, a mask and two batched matmuls (reference)."""
+    assert meta.decode_tables is not None and meta.decode_mask is not None
     batch, num_heads, head_dim = q.shape
-    if meta.kernel is not None and meta.decode_positions is not None:
-        return meta.kernel.paged_decode(
-            q.contiguous(),
-            k_cache,
-            v_cache,
-            meta.decode_tables,
-            meta.decode_positions,
-            head_dim**-0.5,
-            meta.window or -1,
-        )
-    assert meta.decode_mask is not None
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     length = meta.decode_mask.shape[-1]

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swiftserve.errors import CheckpointError
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that is missing files or holds something we cannot serve."""
+__all__ = ["CheckpointError", "ModelConfig"]
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,11 @@ It applies to bfloat16 models whose linears are all ``PanelLinear`` (our GEMM) a
 whose every row goes through the fused attention kernel (decode rows, and prompt rows when
 the runner sends them there). It computes exactly what the Python layer loop computes with
 the kernels on (same functions, same order: bit-identical), without ~20 interpreter-level
-calls per layer. ``SWIFTSERVE_LAYER_STACK=0`` turns it off.
+calls per layer. ``EngineConfig(layer_stack=False)`` turns it off (model/ops.py: CpuOps).
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +24,7 @@ _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
 
 def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
     """The per-layer tensors ``decoder_stack`` takes, or None when the model does not qualify."""
-    if os.environ.get("SWIFTSERVE_LAYER_STACK", "1") == "0" or model.dtype != torch.bfloat16:
+    if model.dtype != torch.bfloat16:
         return None
     weights: list[torch.Tensor] = []
     for layer in model.model.layers:
@@ -49,8 +48,7 @@ def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
 def applies(meta: AttentionMetadata, num_tokens: int) -> bool:
     """Whether every row of this step is answered by the fused attention kernel."""
     return (
-        meta.kernel is not None
-        and not meta.prefills
+        not meta.prefills
         and meta.num_decode == num_tokens
         and meta.decode_tables is not None
         and meta.decode_positions is not None
@@ -58,6 +56,7 @@ def applies(meta: AttentionMetadata, num_tokens: int) -> bool:
 
 
 def run_stack(
+    kernels: Any,
     model: LlamaForCausalLM,
     weights: list[torch.Tensor],
     h: torch.Tensor,
@@ -68,7 +67,7 @@ def run_stack(
     """Final-normed hidden states of the step, from the embeddings ``h``."""
     cfg = model.config
     assert meta.decode_tables is not None and meta.decode_positions is not None
-    return meta.kernel.decoder_stack(  # type: ignore[no-any-return]
+    return kernels.decoder_stack(  # type: ignore[no-any-return]
         h,
         weights,
         [k for k, _ in kv_caches],

@@ -6,24 +6,24 @@ loader maps Hugging Face's separate tensors into the fused weights.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from swiftserve.model import layer_stack
-from swiftserve.model.attention import AttentionMetadata, paged_attention
+from swiftserve.model.attention import AttentionMetadata
 from swiftserve.model.config import ModelConfig
-from swiftserve.model.rotary import RotaryEmbedding, apply_rotary
+from swiftserve.model.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from swiftserve.model.ops import TorchOps
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32, cast back (as Hugging Face's LlamaRMSNorm).
+    """RMS norm (float32 math, cast back, as Hugging Face's LlamaRMSNorm) through ``ops``.
 
-    With ``residual``, first adds ``x`` into it and normalizes the sum, returning
-    ``(normed, residual)``: the residual stream is carried between layers this way so the
-    add and the norm are one fused kernel (``ops``) when the CPU kernels are built.
+    ``add_forward`` first adds ``x`` into the residual stream and normalizes the sum, so the
+    add and the norm are one fused kernel where the backend has one.
     """
 
     def __init__(self, size: int, eps: float):
@@ -31,23 +31,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps) if ops is not None else self._norm(x)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor, ops: Any = None
+        self, x: torch.Tensor, residual: torch.Tensor, ops: TorchOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``residual + x`` and its norm (the fused kernel updates ``residual`` in place)."""
-        if ops is not None:
-            return ops.add_rms_norm(x, residual, self.weight, self.eps), residual
-        residual = residual + x
-        return self._norm(residual), residual
+        """``residual + x`` and its norm (a backend may update ``residual`` in place)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -70,15 +61,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if meta.kernel is not None:  # rotate q and k in place inside the fused output
-            meta.kernel.rope_qk_(qkv, rope[0], rope[1], self.num_heads + self.num_kv_heads, self.head_dim)
+        meta.ops.rotary_qk_(qkv, rope[0], rope[1], self.num_heads, self.num_kv_heads)  # in place
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        if meta.kernel is None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        out = meta.ops.paged_attention(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -89,12 +77,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -108,7 +92,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h, residual, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
         """``h``: the previous layer's output (not yet added to ``residual``, which is None
         before the first layer). Returns this layer's (output, residual)."""
-        ops = meta.kernel
+        ops = meta.ops
         if residual is None:
             residual, h = h, self.input_layernorm(h, ops)
         else:
@@ -135,11 +119,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
-        self._stack: list[torch.Tensor] | None = None  # decoder_stack's weights; [] = not used
+        self.stack: list[torch.Tensor] | None = None  # ops.decoder_stack's weights (set at load)
 
     def init_rotary(self, max_positions: int) -> None:
         cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        device = self.model.embed_tokens.weight.device
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,15 +145,15 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() first"
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
-        if self._stack is None:  # decided once, after the linears were packed
-            self._stack = layer_stack.stack_weights(self) or []
-        if self._stack and layer_stack.applies(meta, h.shape[0]):
-            return layer_stack.run_stack(self, self._stack, h, rope, kv_caches, meta)
+        if self.stack:
+            out = meta.ops.decoder_stack(self, self.stack, h, rope, kv_caches, meta)
+            if out is not None:
+                return out  # type: ignore[no-any-return]
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, rope, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
-        return self.model.norm.add_forward(h, residual, meta.kernel)[0]
+        return self.model.norm.add_forward(h, residual, meta.ops)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -78,17 +78,45 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, tuple[int, int] | None] |
 
 
 def load_model(
-    path: str | Path, dtype: str = "auto", max_positions: int | None = None, progress: bool = True
+    path: str | Path,
+    dtype: str = "auto",
+    max_positions: int | None = None,
+    progress: bool = True,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
-    """Build the model on the meta device, allocate it, and fill it from the checkpoint."""
+    """Build the model on the meta device, allocate it on ``device``, and fill it from the
+    checkpoint's safetensors, one tensor at a time (``load_format="dummy"``: seeded random
+    weights from config.json alone, for benchmarks of big shapes)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu").to(torch_dtype)
+    model = model.to_empty(device=device).to(torch_dtype)
     if cfg.tie_word_embeddings:
         model.tie_weights()
+    if load_format == "dummy":
+        _fill_dummy(model)
+    else:
+        _load_checkpoint(path, model, cfg, progress)
+    model.init_rotary(max_positions or cfg.max_position_embeddings)
+    model.eval()
+    return model
+
+
+def _fill_dummy(model: LlamaForCausalLM) -> None:
+    """Seeded random weights: N(0, 0.02) for matrices, ones for norms (finite activations)."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif param.dim() >= 2 or name.endswith("bias"):
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def _load_checkpoint(path: Path, model: LlamaForCausalLM, cfg: ModelConfig, progress: bool) -> None:
     params = dict(model.named_parameters())
     expected = {(n, None) for n in params}
     loaded: set[tuple[str, tuple[int, int] | None]] = set()
@@ -105,9 +133,6 @@ def load_model(
                 bar.update(1)
     bar.close()
     _check_complete(path, params, expected, loaded, cfg)
-    model.init_rotary(max_positions or cfg.max_position_embeddings)
-    model.eval()
-    return model
 
 
 def _load_tensor(key, tensor, cfg, params, loaded) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ Two kinds, both packed once at load time:
   about half at batch 1-8 (docs/benchmarks.md). Sums in another order than ``F.linear``:
   results may differ in the last bf16 bit.
 - ``PackedLinear``: oneDNN's blocked layout, bit-identical to ``F.linear``; the fallback
-  (no AVX512-BF16, odd in_features, or ``SWIFTSERVE_BF16_GEMM=onednn``).
+  (no AVX512-BF16, odd in_features, or ``EngineConfig(bf16_gemm="onednn")``).
 
 float32 is left on ``F.linear`` on purpose: the packed float32 kernels sum in another
 order, and the float32 path is the one that must match transformers token for token.
@@ -17,14 +17,11 @@ order, and the float32 path is the one that must match transformers token for to
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from swiftserve.model.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +72,11 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     return padded.view(panels, width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def panel_kernels(linear: nn.Linear) -> ModuleType | None:
-    """The kernel module when ``linear`` can use PanelLinear here, else None."""
-    if os.environ.get("SWIFTSERVE_BF16_GEMM", "panel") == "onednn":
+def panel_kernels(linear: nn.Linear, kernels: ModuleType | None) -> ModuleType | None:
+    """``kernels`` when ``linear`` can use PanelLinear with them here, else None."""
+    if kernels is None or linear.weight.dtype != torch.bfloat16 or linear.in_features % 2:
         return None
-    if linear.weight.dtype != torch.bfloat16 or linear.in_features % 2:
-        return None
-    kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.bf16_gemm_available() else None
+    return kernels if kernels.bf16_gemm_available() else None
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -98,20 +92,25 @@ def packing_supported(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear of a bfloat16 model for a PanelLinear (our kernel) or, where that
-    is unavailable, a oneDNN PackedLinear; returns how many were swapped."""
+def pack_linears(model: nn.Module, kernels: ModuleType | None) -> int:
+    """Swap every nn.Linear of a bfloat16 CPU model for a PanelLinear (our GEMM in ``kernels``)
+    or, where that is unavailable (or ``kernels`` is None), a oneDNN PackedLinear; returns how
+    many were swapped."""
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    if not targets or targets[0][1].weight.dtype != torch.bfloat16:
+    if (
+        not targets
+        or targets[0][1].weight.dtype != torch.bfloat16
+        or targets[0][1].weight.device.type != "cpu"
+    ):
         return 0
     onednn = packing_supported(torch.bfloat16)
     swapped = 0
     for name, linear in targets:
-        kernels = panel_kernels(linear)
-        if kernels is None and not onednn:
+        panel = panel_kernels(linear, kernels)
+        if panel is None and not onednn:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PanelLinear(linear, kernels) if kernels else PackedLinear(linear))
+        setattr(parent, child, PanelLinear(linear, panel) if panel else PackedLinear(linear))
         swapped += 1
     return swapped

@@ -66,13 +66,13 @@ class Int8Linear(nn.Module):
     qweight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernels: Any = None):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         dtype = linear.weight.dtype
         q, scale = quantize_int8(linear.weight.detach())
-        self.kernel = _gemv_kernel(linear.weight, self.out_features, self.in_features)
+        self.kernel = _gemv_kernel(linear.weight, self.out_features, self.in_features, kernels)
         self.register_buffer("qweight", pack_rows4(q) if self.kernel is not None else q)
         self.register_buffer("scale", scale.to(dtype))
         self.bias = linear.bias
@@ -99,13 +99,11 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def _gemv_kernel(weight: torch.Tensor, n: int, k: int) -> Any:
-    """The compiled kernels when the INT8 GEMV can serve this layer, else None."""
-    if weight.device.type != "cpu" or n % TILE_ROWS or k % TILE_K:
+def _gemv_kernel(weight: torch.Tensor, n: int, k: int, kernels: Any) -> Any:
+    """``kernels`` (the compiled CPU module) when its INT8 GEMV can serve this layer, else None."""
+    if kernels is None or weight.device.type != "cpu" or n % TILE_ROWS or k % TILE_K:
         return None
-    from swiftserve.model.kernels import cpu_kernels
-
-    return cpu_kernels()
+    return kernels
 
 
 class Int4Linear(nn.Module):
@@ -189,10 +187,13 @@ def _int4_layout_known(out_features: int) -> bool:
     return _LAYOUT_CHECKED["cpu"]
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 128, lm_head: bool = False) -> int:
+def quantize_model(
+    model: nn.Module, method: str, group_size: int = 128, lm_head: bool = False, kernels: Any = None
+) -> int:
     """Swap the model's linear layers for quantized ones in place; returns how many.
 
-    ``lm_head`` stays in the compute dtype unless asked (embeddings always do).
+    ``lm_head`` stays in the compute dtype unless asked (embeddings always do). ``kernels``:
+    the compiled CPU module of the chosen backend (None: PyTorch's own int8 kernels).
     """
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
@@ -207,7 +208,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128, lm_head
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if method == "int8":
-            layer: nn.Module = Int8Linear(linear)
+            layer: nn.Module = Int8Linear(linear, kernels)
         else:
             group = int4_group_for(linear.in_features, group_size)
             if group is None:

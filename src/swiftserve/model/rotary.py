@@ -38,13 +38,15 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]):
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any], device: Any = "cpu"
+    ):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos = emb.cos().to(device)  # computed on the CPU: the same float32 values everywhere
+        self.sin = emb.sin().to(device)
         self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,6 @@ only for the rows that sample (and rows whose prompt logprobs were asked for).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,8 +15,9 @@ import torch
 
 from swiftserve.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata, PrefillSegment
-from swiftserve.model.kernels import cpu_kernels
 from swiftserve.model.llama import LlamaForCausalLM
+from swiftserve.model.ops import TorchOps
+from swiftserve.worker.cuda_graphs import DecodeGraphs
 from swiftserve.worker.sampler import Sampler, SamplingState, logprob_entries
 
 logger = logging.getLogger(__name__)
@@ -38,43 +38,49 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        ops: TorchOps,
         *,
         num_blocks: int,
         block_size: int,
         max_num_batched_tokens: int,
         seed: int = 0,
-        use_kernels: bool = True,
     ):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.window = cfg.sliding_window
         dtype = model.dtype
+        self.device = device = model.lm_head.weight.device
+        self.cuda = device.type == "cuda"
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # see model/attention.py
         # zeros, not empty: padded gathers read unused slots, which must hold finite values.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
         ]
+        # Persistent inputs: numpy views of (pinned, on CUDA) host staging buffers that each step
+        # refills, copied to persistent device buffers (the same tensors on the CPU). A step
+        # ends with the sampled tokens on the host, so the next refill never races a copy.
         n = max_num_batched_tokens
-        self._ids = np.zeros(n, dtype=np.int64)
-        self._pos = np.zeros(n, dtype=np.int64)
-        self._slots = np.zeros(n, dtype=np.int64)
-        self._ids_t = torch.from_numpy(self._ids)
-        self._pos_t = torch.from_numpy(self._pos)
-        self._slots_t = torch.from_numpy(self._slots)
+        staging = torch.zeros(3, n, dtype=torch.int64, pin_memory=self.cuda)
+        self._staging = staging
+        self._ids, self._pos, self._slots = staging.numpy()
+        self._inputs = staging.to(device) if self.cuda else staging
+        self._ids_t, self._pos_t, self._slots_t = self._inputs
         self.sampler = Sampler(seed)
-        self.kernel = cpu_kernels() if use_kernels else None
-        # Prompt rows through the fused kernel too (each row is a query at its position), in
-        # place of one SDPA call per prompt: bfloat16 with the register-resident shapes only;
-        # float32 stays on SDPA, the reference path that must match transformers exactly.
-        self.fused_prefill = (
-            self.kernel is not None
-            and dtype == torch.bfloat16
-            and cfg.head_dim == 64
-            and cfg.num_heads // cfg.num_kv_heads <= 4
-            and os.environ.get("SWIFTSERVE_FUSED_PREFILL", "1") != "0"
-        )
+        self.ops = ops
+        # Prompt rows through the row attention kernel too (each row a query at its position)
+        # in place of one SDPA call per prompt, where the backend says it pays.
+        self.fused_prefill = ops.fused_rows(cfg, dtype)
         self.states: dict[str, SamplingState] = {}
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> None:
+        """Capture decode-only CUDA graphs at these batch sizes (worker/cuda_graphs.py)."""
+        from swiftserve.worker.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.ops, sizes, max_blocks)
 
     # ---- request state -------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -105,6 +111,7 @@ class ModelRunner:
             sample_rows = [(i, s.request_id) for i, s in enumerate(decode) if s.sample]
         segments: list[PrefillSegment] = []
         row = num_decode
+        # (decode rows were staged above; prompt rows below; one host-to-device copy after)
         for s in prefill:
             n = len(s.token_ids)
             positions = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
@@ -121,6 +128,10 @@ class ModelRunner:
         if self.fused_prefill and prefill:
             decode_tables = self._row_tables(order, row)
             num_decode, segments = row, []
+        if self.cuda:
+            self._inputs[:, :row].copy_(self._staging[:, :row], non_blocking=True)
+            decode_tables, decode_mask = self._dev(decode_tables), self._dev(decode_mask)
+            segments = [self._segment_to_device(seg) for seg in segments]
         meta = AttentionMetadata(
             self._slots_t[:row],
             num_decode,
@@ -129,9 +140,17 @@ class ModelRunner:
             segments,
             decode_positions=self._pos_t[:num_decode],
             window=self.window,
-            kernel=self.kernel,
+            ops=self.ops,
         )
         return _Batch(row, meta, order, sample_rows, prompt_rows)
+
+    def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(self.device, non_blocking=True)
+
+    def _segment_to_device(self, seg: PrefillSegment) -> PrefillSegment:
+        return PrefillSegment(
+            seg.q_start, seg.q_end, self._dev(seg.ctx_blocks), seg.ctx_len, self._dev(seg.mask)
+        )
 
     def _prepare_decode(self, decode: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = len(decode)
@@ -143,7 +162,7 @@ class ModelRunner:
         bs = self.block_size
         self._slots[:batch] = table[np.arange(batch), positions // bs] * bs + positions % bs
         table_t = torch.from_numpy(table)
-        if self.kernel is not None:
+        if not self.ops.decode_mask:
             return table_t, None  # the fused kernel needs no mask
         ctx = np.arange(num_blocks * bs, dtype=np.int64)
         mask = ctx[None, :] <= positions[:, None]
@@ -201,6 +220,8 @@ class ModelRunner:
         result = RunnerOutput()
         if sched.is_empty:
             return result
+        if self._graph_step(sched.scheduled):
+            return self._replay(sched.scheduled, result)
         batch = self._prepare(sched.scheduled)
         t = batch.num_tokens
         hidden = self.model(self._ids_t[:t], self._pos_t[:t], self.kv_caches, batch.meta)
@@ -209,18 +230,43 @@ class ModelRunner:
             rows.extend(prompt_rows)
         if not rows:
             return result
-        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows)))
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        if self.cuda:
+            logits = logits.cpu()  # the sampler's per-request generators live on the host
         num_sample = len(batch.sample_rows)
         if num_sample:
-            states = [self.states[rid] for _, rid in batch.sample_rows]
-            tokens, entries = self.sampler(logits[:num_sample], states)
-            for (_, rid), token, entry, state in zip(batch.sample_rows, tokens, entries, states, strict=True):
-                state.output_token_ids.append(token)
-                result.sampled_token_ids[rid] = token
-                if entry is not None:
-                    result.logprobs[rid] = entry
+            self._sample(logits[:num_sample], batch.sample_rows, result)
         self._prompt_logprobs(logits[num_sample:], batch, result)
         return result
+
+    def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Decode-only steps where every row samples and a captured bucket holds the batch."""
+        return (
+            self.graphs is not None
+            and self.graphs.bucket(len(scheduled)) is not None
+            and all(len(s.token_ids) == 1 and s.sample and s.prompt_logprob_start is None for s in scheduled)
+        )
+
+    def _replay(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> RunnerOutput:
+        assert self.graphs is not None
+        batch = len(scheduled)
+        positions = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=batch)
+        tables = self._block_tables(scheduled)
+        bs = self.block_size
+        slots = tables[np.arange(batch), positions // bs] * bs + positions % bs
+        ids = np.fromiter((s.token_ids[0] for s in scheduled), dtype=np.int64, count=batch)
+        logits = self.graphs.run(ids, positions, slots, tables).cpu()
+        self._sample(logits, [(i, s.request_id) for i, s in enumerate(scheduled)], result)
+        return result
+
+    def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, str]], result: RunnerOutput) -> None:
+        states = [self.states[rid] for _, rid in sample_rows]
+        tokens, entries = self.sampler(logits, states)
+        for (_, rid), token, entry, state in zip(sample_rows, tokens, entries, states, strict=True):
+            state.output_token_ids.append(token)
+            result.sampled_token_ids[rid] = token
+            if entry is not None:
+                result.logprobs[rid] = entry
 
     def _prompt_logprobs(self, logits: torch.Tensor, batch: _Batch, result: RunnerOutput) -> None:
         offset = 0

@@ -1,13 +1,16 @@
-"""Optional compiled CPU kernels, built on first use with torch's C++ extension loader.
+"""Optional compiled CPU kernels, built by ``make install`` with torch's C++ extension loader.
 
-If the build fails (no compiler, no ninja) or ``SWIFTSERVE_CPU_KERNELS=0``, callers fall
-back to the pure-PyTorch path, which computes the same result; tests check both agree.
+The build is cached under a name keyed by the sources and the CPU's instruction sets, so a
+different checkout or a different machine never picks up (or clobbers) another's build, and
+the engine loads the cached module at start (never inside a request). If the build fails (no
+compiler, no ninja), callers use the PyTorch backend, which computes the same result; tests
+check both agree. ``EngineConfig.kernel_backend`` chooses the backend (model/ops.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +19,7 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16")
 _SOURCES = (
     "paged_decode.cpp",
     "layer_ops.cpp",
@@ -33,9 +37,6 @@ def cpu_kernels() -> ModuleType | None:
     global _module, _failed
     if _module is not None or _failed:
         return _module
-    if os.environ.get("SWIFTSERVE_CPU_KERNELS", "1") == "0":
-        _failed = True
-        return None
     with _lock:
         if _module is None and not _failed:
             try:
@@ -43,7 +44,7 @@ def cpu_kernels() -> ModuleType | None:
 
                 here = Path(__file__).parent
                 _module = load(
-                    name="swiftserve_cpu_kernels_v13",
+                    name=build_name(),
                     sources=[str(here / name) for name in _SOURCES],
                     # fast-math: vectorized expf (libmvec) and reassociated sums; the
                     # kernel is tested against the exact PyTorch path.
@@ -55,3 +56,24 @@ def cpu_kernels() -> ModuleType | None:
                 logger.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
                 _failed = True
     return _module
+
+
+def cpu_isa() -> tuple[str, ...]:
+    """The instruction-set extensions of this CPU that the kernels care about."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return tuple(flag for flag in _ISA_FLAGS if flag in flags)
+
+
+def build_name() -> str:
+    """Extension name keyed by the kernel sources and this CPU's instruction sets."""
+    digest = hashlib.sha256(",".join(cpu_isa()).encode())
+    here = Path(__file__).parent
+    for name in (*_SOURCES, "ops.h"):
+        path = here / name
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return f"swiftserve_cpu_kernels_{digest.hexdigest()[:12]}"

@@ -1,0 +1,279 @@
+"""One kernel-backend interface, chosen once at load time: model code calls ``ops.x(...)``.
+
+``TorchOps`` is the PyTorch reference (any device): the math every other backend is tested
+against, and the path that must match transformers token for token in float32. ``CpuOps``
+routes the same calls to our C++ kernels (model/kernels). A GPU backend (Triton) implements
+the same methods. No model code branches on which backend it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swiftserve.config import KERNEL_BACKENDS
+from swiftserve.model import attention
+from swiftserve.model.rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from swiftserve.model.attention import AttentionMetadata
+    from swiftserve.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The A/B switches of the kernels (EngineConfig fields of the same names)."""
+
+    bf16_gemm: str = "panel"  # "panel" (our GEMM) or "onednn"
+    fused_prefill: bool = True  # bfloat16 prompt rows through the row attention kernel
+    layer_stack: bool = True  # the whole decoder stack in one C++ call where it applies
+
+
+class TorchOps:
+    """Reference backend: plain PyTorch on any device."""
+
+    name = "torch"
+    kernels: ModuleType | None = None
+    decode_mask = True  # decode rows need the [B, L] mask built by the runner
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMS norm in float32, cast back (as Hugging Face's LlamaRMSNorm)."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; a backend may update ``residual`` in place."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary_qk_(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> None:
+        """Rotate the q and k parts of a fused [T, (H + 2 KVH) * D] projection in place."""
+        tokens, dim = qkv.shape[0], cos.shape[-1]
+        q = qkv[:, : num_heads * dim].view(tokens, num_heads, dim)
+        k = qkv[:, num_heads * dim : (num_heads + num_kv_heads) * dim].view(tokens, num_kv_heads, dim)
+        q.copy_(apply_rotary(q, cos, sin))
+        k.copy_(apply_rotary(k, cos, sin))
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def write_kv_(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Store new K/V [T, KVH, D] at their cache slots."""
+        heads, dim = k_cache.shape[0], k_cache.shape[-1]
+        k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+
+    def paged_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention of query rows answered one row at a time through their block tables."""
+        return attention.masked_decode(q, k_cache, v_cache, meta)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write the new K/V, then attend: decode rows and prompt rows of many requests."""
+        self.write_kv_(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return attention.paged_attention(self, q, k, v, kv_cache[0], kv_cache[1], meta)
+
+    def fused_rows(self, cfg: ModelConfig, dtype: torch.dtype) -> bool:
+        """Whether prompt rows go through ``paged_decode`` as rows (else one SDPA per prompt)."""
+        return False
+
+    def pack_linears(self, model: nn.Module) -> int:
+        """Repack linear weights for this backend's GEMM; returns how many were packed."""
+        return 0
+
+    def stack_weights(self, model: nn.Module) -> list[torch.Tensor] | None:
+        """Weights for ``decoder_stack``, or None when this backend has no whole-stack call."""
+        return None
+
+    def decoder_stack(self, model: Any, weights: list[torch.Tensor], h: torch.Tensor, rope: Any,
+                      kv_caches: Any, meta: AttentionMetadata) -> torch.Tensor | None:  # fmt: skip
+        """The final-normed hidden states in one call, or None when it does not apply."""
+        return None
+
+
+class CpuOps(TorchOps):
+    """Our C++ CPU kernels (AVX-512 where the CPU has it), same results as TorchOps."""
+
+    name = "cpu"
+    decode_mask = False
+
+    def __init__(self, kernels: ModuleType, options: KernelOptions):
+        self.kernels = kernels
+        self.cpp = kernels  # the same module, typed as present
+        self.options = options
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.cpp.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cpp.add_rms_norm(x, residual, weight, eps), residual  # residual updated in place
+
+    def rotary_qk_(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> None:
+        self.cpp.rope_qk_(qkv, cos, sin, num_heads + num_kv_heads, cos.shape[-1])
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.cpp.silu_and_mul(gate_up)  # type: ignore[no-any-return]
+
+    def write_kv_(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        if k.dtype != k_cache.dtype:
+            super().write_kv_(k, v, k_cache, v_cache, slots)
+        else:
+            self.cpp.write_kv_(k, v, k_cache, v_cache, slots)
+
+    def paged_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert meta.decode_tables is not None and meta.decode_positions is not None
+        scale = q.shape[-1] ** -0.5
+        return self.cpp.paged_decode(  # type: ignore[no-any-return]
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.decode_tables,
+            meta.decode_positions,
+            scale,
+            meta.window or -1,
+        )
+
+    def fused_rows(self, cfg: ModelConfig, dtype: torch.dtype) -> bool:
+        # bfloat16 with the register-resident shapes only; float32 stays on SDPA, the
+        # reference path that must match transformers exactly.
+        return (
+            self.options.fused_prefill
+            and dtype == torch.bfloat16
+            and cfg.head_dim == 64
+            and cfg.num_heads // cfg.num_kv_heads <= 4
+        )
+
+    def pack_linears(self, model: nn.Module) -> int:
+        from swiftserve.model.packed_linear import pack_linears
+
+        return pack_linears(model, self.cpp if self.options.bf16_gemm == "panel" else None)
+
+    def stack_weights(self, model: nn.Module) -> list[torch.Tensor] | None:
+        from swiftserve.model import layer_stack
+
+        return layer_stack.stack_weights(model) if self.options.layer_stack else None  # type: ignore[arg-type]
+
+    def decoder_stack(self, model: Any, weights: list[torch.Tensor], h: torch.Tensor, rope: Any,
+                      kv_caches: Any, meta: AttentionMetadata) -> torch.Tensor | None:  # fmt: skip
+        from swiftserve.model import layer_stack
+
+        if not layer_stack.applies(meta, h.shape[0]):
+            return None
+        return layer_stack.run_stack(self.cpp, model, weights, h, rope, kv_caches, meta)
+
+
+class TritonOps(TorchOps):
+    """Triton kernels (model/triton_kernels.py): the GPU backend, also run on CPU in CI under
+    ``TRITON_INTERPRET=1``. GEMMs stay on PyTorch (cuBLAS). Every attention row, decode or
+    prompt, goes through one paged kernel reading positions on the device (graph-capturable).
+    """
+
+    name = "triton"
+    decode_mask = False
+
+    def __init__(self) -> None:
+        from swiftserve.model import triton_kernels
+
+        self.tk = triton_kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.tk.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tk.rms_norm(x, weight, eps, residual), residual  # residual updated in place
+
+    def rotary_qk_(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> None:
+        self.tk.rotary_qk_(qkv, cos, sin, num_heads + num_kv_heads)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.tk.silu_and_mul(gate_up)  # type: ignore[no-any-return]
+
+    def write_kv_(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        self.tk.write_kv_(k, v, k_cache, v_cache, slots)
+
+    def paged_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert meta.decode_tables is not None and meta.decode_positions is not None
+        return self.tk.paged_rows(  # type: ignore[no-any-return]
+            q, k_cache, v_cache, meta.decode_tables, meta.decode_positions, q.shape[-1] ** -0.5, meta.window
+        )
+
+    def fused_rows(self, cfg: ModelConfig, dtype: torch.dtype) -> bool:
+        return True  # prompt rows through the same paged kernel: no per-prompt SDPA
+
+
+def select_ops(backend: str, device: torch.device, options: KernelOptions) -> TorchOps:
+    """The backend for ``backend`` ("auto": the fastest available here), logged once."""
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+    ops: TorchOps = TorchOps()
+    if backend in ("auto", "cpu") and device.type == "cpu":
+        from swiftserve.model.kernels import cpu_kernels
+
+        kernels = cpu_kernels()
+        if kernels is not None:
+            ops = CpuOps(kernels, options)
+        elif backend == "cpu":
+            raise ValueError("kernel_backend='cpu' but the C++ kernels could not be built here")
+        else:
+            logger.info("C++ CPU kernels unavailable (no compiler?): using the PyTorch backend")
+    elif backend == "cpu":
+        raise ValueError(f"kernel_backend='cpu' needs device cpu, got {device}")
+    elif backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        ops = TritonOps()
+    logger.info("kernel backend: %s (%s)", ops.name, options)
+    return ops

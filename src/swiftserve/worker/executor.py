@@ -1,0 +1,56 @@
+"""Executor: the seam between the engine core and its workers (vLLM's names).
+
+EngineCore talks to one Executor and never to a model. ``UniProcExecutor`` runs one Worker
+in the engine's own process; executors with several workers (pipeline stages, tensor
+parallel, Ray) go beside it without touching EngineCore.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from swiftserve.config import EngineConfig
+from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
+from swiftserve.worker.worker import Worker
+
+
+class Executor(ABC):
+    """Runs scheduled steps on one or more workers."""
+
+    model_info: ModelInfo
+
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """One forward pass over the scheduled tokens; sampled tokens back."""
+
+    def check_health(self) -> None:  # noqa: B027 (optional hook: in-process workers cannot vanish)
+        """Raise if a worker is gone."""
+
+    def shutdown(self) -> None:  # noqa: B027 (optional hook)
+        """Release the workers."""
+
+
+class UniProcExecutor(Executor):
+    """One Worker in this process."""
+
+    def __init__(self, config: EngineConfig, model_dir: str | Path, *, progress: bool = True):
+        self.worker = Worker(config, model_dir, progress=progress)
+        self.model_info = self.worker.model_info
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.worker.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,193 @@
+"""Worker: owns the device and the model.
+
+It loads the checkpoint onto its device, quantizes, packs the linears for the kernel backend
+chosen once here (model/ops.py), sizes and allocates the KV cache, and runs steps through its
+ModelRunner. The engine core reaches it only through an executor (worker/executor.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swiftserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, graph_sizes
+from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
+from swiftserve.model.attention import AttentionMetadata
+from swiftserve.model.config import ModelConfig
+from swiftserve.model.loader import load_model
+from swiftserve.model.ops import KernelOptions, select_ops
+from swiftserve.model.quant_linear import quantize_model, weight_bytes
+from swiftserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """config.max_model_len, defaulting to (and never above) the model's position limit."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"EngineConfig.max_model_len ({config.max_model_len}) exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
+    return config.max_model_len
+
+
+def num_kv_blocks(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """Pool size from num_kv_blocks, else kv_cache_memory bytes (capped at what can be used)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    block_bytes = config.block_size * model_config.kv_bytes_per_token(dtype.itemsize)
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    memory = config.kv_cache_memory
+    blocks = (memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
+    if memory is None:
+        blocks = min(blocks, useful)
+    if blocks < 1:
+        raise ValueError(
+            f"EngineConfig.kv_cache_memory ({memory}) is smaller than one KV block ({block_bytes} bytes)"
+        )
+    return int(blocks)
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto": CUDA when a GPU is visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("EngineConfig.device='cuda' but no CUDA device is visible")
+    return torch.device(name)
+
+
+@torch.inference_mode()
+def profile_peak_memory(model: Any, ops: Any, num_tokens: int, block_size: int) -> int:
+    """Peak CUDA memory (bytes) of one forward over ``num_tokens`` prompt rows plus logits.
+
+    The rows attend through a scratch KV cache of just enough blocks; it is freed after.
+    """
+    cfg, device = model.config, model.lm_head.weight.device
+    blocks = -(-num_tokens // block_size)
+    shape = (cfg.num_kv_heads, blocks, block_size, cfg.head_dim)
+    kv = [(torch.zeros(shape, dtype=model.dtype, device=device),) * 2 for _ in range(cfg.num_layers)]
+    positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
+    tables = torch.arange(blocks, device=device).expand(num_tokens, blocks)
+    mask = None
+    if ops.decode_mask:
+        ctx = torch.arange(blocks * block_size, device=device)
+        mask = (ctx[None, :] <= positions[:, None]).view(1, num_tokens, 1, -1)
+    meta = AttentionMetadata(
+        positions,
+        num_tokens,
+        tables,
+        mask,
+        [],
+        decode_positions=positions,
+        window=cfg.sliding_window,
+        ops=ops,
+    )
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
+    hidden = model(ids, positions, kv, meta)
+    model.compute_logits(hidden[: min(num_tokens, 256)])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device)
+    del kv, hidden
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+class Worker:
+    """One model on one device; ``execute_model`` runs one scheduled step."""
+
+    def __init__(self, config: EngineConfig, model_dir: str | Path, *, progress: bool = True):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        options = KernelOptions(config.bf16_gemm, config.fused_prefill, config.layer_stack)
+        self.ops = select_ops(config.kernel_backend, self.device, options)
+        model = load_model(
+            model_dir, config.dtype, self.max_model_len, progress, self.device, config.load_format
+        )
+        if config.quantization and self.device.type != "cpu":
+            raise ValueError(
+                f"EngineConfig.quantization={config.quantization!r} runs on the CPU only for now "
+                "(no CUDA INT8/INT4 kernels yet): use device='cpu' or no quantization"
+            )
+        if config.quantization:
+            count = quantize_model(
+                model,
+                config.quantization,
+                config.quant_group_size,
+                lm_head=config.quantize_lm_head,
+                kernels=self.ops.kernels,
+            )
+            logger.info("quantized %d linear layers to %s", count, config.quantization)
+        logger.info("prepacked %d linear layers", self.ops.pack_linears(model))  # what is left in bf16
+        model.stack = self.ops.stack_weights(model)
+        self.model = model
+        self.runner: ModelRunner | None = None
+
+    @property
+    def model_info(self) -> ModelInfo:
+        mc = self.model_config
+        return ModelInfo(
+            self.max_model_len,
+            mc.vocab_size,
+            tuple(mc.eos_token_ids),
+            str(self.model.dtype).removeprefix("torch."),
+            weight_bytes(self.model),
+            str(self.device),
+        )
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks this worker's memory budget holds.
+
+        On CUDA (unless num_kv_blocks / kv_cache_memory say otherwise): total memory x
+        gpu_memory_utilization, less the peak of one profiling forward at the largest step
+        (which counts the weights), over the bytes of one block.
+        """
+        config = self.config
+        if self.device.type != "cuda" or config.num_kv_blocks is not None or config.kv_cache_memory:
+            return num_kv_blocks(config, self.model_config, self.model.dtype, self.max_model_len)
+        peak = profile_peak_memory(self.model, self.ops, config.max_num_batched_tokens, config.block_size)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        block_bytes = config.block_size * self.model_config.kv_bytes_per_token(self.model.dtype.itemsize)
+        budget = int(total * config.gpu_memory_utilization) - peak
+        useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        blocks = min(budget // block_bytes, useful)
+        logger.info(
+            "GPU memory: %.1f GiB total, profiled peak %.2f GiB, KV pool %d blocks (%.2f GiB)",
+            total / 2**30, peak / 2**30, blocks, blocks * block_bytes / 2**30,
+        )  # fmt: skip
+        if blocks < 1:
+            raise ValueError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
+        return int(blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and the runner's persistent buffers."""
+        self.runner = ModelRunner(
+            self.model,
+            self.ops,
+            num_blocks=num_blocks,
+            block_size=self.config.block_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            seed=self.config.seed,
+        )
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.runner.capture_graphs(graph_sizes(self.config), self.max_model_len)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        assert self.runner is not None, "initialize_kv_cache() first"
+        return self.runner.execute(scheduler_output)
