@@ -93,7 +93,8 @@ def to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
     )
     return AttentionMetadata(
         meta.slot_mapping.to(device), meta.num_decode, meta.decode_tables.to(device),
-        meta.decode_mask.to(device), [], decode_positions=meta.decode_positions.to(device), window=meta.window,
+        meta.decode_mask.to(device), [], decode_positions=meta.decode_positions.to(device),
+        window=meta.window,
     )  # fmt: skip
 
 

@@ -185,7 +185,8 @@ class Worker:
             seed=self.config.seed,
         )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        # graphs need every attention row on the paged kernel (fixed shapes, no per-step mask)
+        if self.device.type == "cuda" and not self.config.enforce_eager and not self.ops.decode_mask:
             self.runner.capture_graphs(graph_sizes(self.config), self.max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
