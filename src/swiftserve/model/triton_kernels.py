@@ -142,7 +142,7 @@ def write_kv_(
 
 @triton.jit
 def _paged_rows_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr, out_ptr, scale, window,
-                       num_heads, num_blocks_per_row, total_slots, q_row_stride,
+                       num_heads, table_row_stride, total_slots, q_row_stride,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
@@ -164,7 +164,7 @@ def _paged_rows_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr, out_ptr, scale
     else:
         lo, hi = first // BLOCK_SIZE, pos // BLOCK_SIZE + 1
     for b in range(lo, hi):
-        block = tl.load(table_ptr + row * num_blocks_per_row + b)
+        block = tl.load(table_ptr + row * table_row_stride + b)
         key_pos = b * BLOCK_SIZE + offs
         valid = (key_pos <= pos) & (key_pos >= first)
         kv_off = (kv_head * total_slots + block * BLOCK_SIZE + offs)[:, None] * D + dims[None, :]
@@ -198,13 +198,14 @@ def paged_rows(
     (the last ``window`` of them with a sliding window), read through block table tables[r]."""
     rows, num_heads, dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
+    assert tables.stride(-1) == 1 and positions.is_contiguous()
     group = num_heads // kv_heads
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     out = torch.empty(rows, num_heads, dim, dtype=q.dtype, device=q.device)
     if rows:
         _paged_rows_kernel[(rows, kv_heads)](
             q, k_cache, v_cache, tables, positions, out, scale, window or 2**30,
-            num_heads, tables.shape[1], num_blocks * block_size, q.stride(0),
+            num_heads, tables.stride(0), num_blocks * block_size, q.stride(0),
             GROUP=group, BLOCK_G=max(2, triton.next_power_of_2(group)), D=dim, BLOCK_D=_block(dim),
             BLOCK_SIZE=block_size, MAX_BLOCKS=tables.shape[1] if INTERPRET else 0,
         )  # fmt: skip

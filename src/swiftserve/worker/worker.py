@@ -77,7 +77,7 @@ def profile_peak_memory(model: Any, ops: Any, num_tokens: int, block_size: int) 
     shape = (cfg.num_kv_heads, blocks, block_size, cfg.head_dim)
     kv = [(torch.zeros(shape, dtype=model.dtype, device=device),) * 2 for _ in range(cfg.num_layers)]
     positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
-    tables = torch.arange(blocks, device=device).expand(num_tokens, blocks)
+    tables = torch.arange(blocks, device=device).expand(num_tokens, blocks)  # row stride 0: one table
     mask = None
     if ops.decode_mask:
         ctx = torch.arange(blocks * block_size, device=device)
