@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         ("graph_vs_eager", lambda: graph_vs_eager(tiny)),
     ]
     graphs = (1, 2, 4, 8, 16, 32, 64)
-    for label, extra in (("eager", {"enforce_eager": True}), ("graphs", {"cuda_graph_sizes": graphs})):
+    for label, extra in (("graphs", {"cuda_graph_sizes": graphs}), ("eager", {"enforce_eager": True})):
         opts = {"dtype": "bfloat16", "max_num_seqs": 64, **extra}
         stages.append((f"smollm_{label}", partial(speed, smol, "cuda", label, opts, (1, 64), (128, 128))))
     stages.append(("smollm_transformers", lambda: hf_throughput(smol, 64, (128, 128))))
