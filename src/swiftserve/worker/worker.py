@@ -76,8 +76,8 @@ def profile_peak_memory(model: Any, ops: Any, num_tokens: int, block_size: int) 
     blocks = -(-num_tokens // block_size)
     shape = (cfg.num_kv_heads, blocks, block_size, cfg.head_dim)
     kv = [(torch.zeros(shape, dtype=model.dtype, device=device),) * 2 for _ in range(cfg.num_layers)]
-    positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
-    tables = torch.arange(blocks, device=device).expand(num_tokens, blocks)  # row stride 0: one table
+    positions = torch.arange(num_tokens, device=device) % model.rotary.max_positions
+    tables = torch.arange(blocks, device=device).expand(num_tokens, blocks).contiguous()
     mask = None
     if ops.decode_mask:
         ctx = torch.arange(blocks * block_size, device=device)
