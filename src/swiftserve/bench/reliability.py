@@ -2,7 +2,8 @@
 
 Starts real servers on 127.0.0.1 and measures: requests lost and 503 latency under 2x and 5x
 overload; KV usage and RSS after a storm with 50% cancellations; time from engine death to
-/health 503 and to process exit; /health latency while a 1 MB prompt is tokenized.
+/health 503 and to process exit; /health latency while a 1 MB prompt is refused; and the
+hardening figures of bench/hardening.py (giant prompts, 1,000 rejected requests, the drain).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from swiftserve.bench import hardening
 from swiftserve.bench.launch import running_server
 
 
@@ -149,6 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 await big
 
         asyncio.run(health_during_big_prompt())
+        report["giant_prompts"] = asyncio.run(hardening.giant_prompts(url))
+        report["rejected_requests"] = hardening.rejected_requests_rss(url, proc.pid, _rss_mb)
         report["health_latency_during_1mb_prompt"] = {
             "samples": len(lat),
             "p50_ms": float(np.percentile(lat, 50) * 1000),
@@ -176,6 +180,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "error_to_exit_ms": (time.perf_counter() - died) * 1000,
             "exit_code": proc.returncode,
         }
+    slow = {"SWIFTSERVE_INJECT_STEP_DELAY_S": "0.05"}  # in-flight work outlasts the timeout
+    with server(args.model, "--max-model-len", "256", "--shutdown-timeout", "2", env=slow) as (url, proc):
+        report["drain"] = hardening.drain(url, proc, 2.0)
     print(json.dumps(report, indent=2))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
