@@ -3,11 +3,12 @@ files, and `make serve` (serve without --model) answers with Python-like text.""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+from typing import Any
 
 import openai
+from safetensors import safe_open
 
 from server_utils import running_server
 from swiftserve import LLM
@@ -24,11 +25,17 @@ def python_like(text: str) -> bool:
     return printable > 0.95 and sum(mark in text for mark in PY_MARKERS) >= 3
 
 
+def _numel(f: Any, key: str) -> int:
+    return math.prod(f.get_slice(key).get_shape())
+
+
 def test_demo_is_the_trained_checkpoint() -> None:
     path = demo_model_dir()
-    report = json.loads((path / "training.json").read_text())
-    assert 10e6 <= report["parameters"] <= 30e6
-    assert report["final_loss"] < 4.5  # a random init starts at ln(6144) = 8.7
+    # counted from the weights themselves (not from the committed training report); that it is
+    # trained, not random, is what the held-out perplexity test below measures
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        parameters = sum(_numel(f, key) for key in f.keys())  # noqa: SIM118
+    assert 10e6 <= parameters <= 30e6
     assert (path / "model.safetensors").stat().st_size < 25e6
     assert default_sampling(path) == {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
 

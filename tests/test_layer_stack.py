@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp(request.param)
     return write_random_checkpoint(out, preset="tiny", architecture=request.param, **SHAPE)
