@@ -171,6 +171,33 @@ def speed(model_dir: Path, device: str, label: str, extra: dict[str, Any], batch
     return result
 
 
+def step_profile(model_dir: Path) -> dict[str, Any]:
+    """Where a batch-1 decode step goes: graph replay alone (CUDA events) vs the whole step,
+    and the host functions that take the most time (cProfile over 64 decode steps)."""
+    import cProfile
+    import io
+    import pstats
+
+    from swiftserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", cuda_graph_sizes=(1,), progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(100, 228))}]
+    llm.generate(prompt, params, use_tqdm=False)
+    graphs = llm.engine.executor.worker.runner.graphs  # type: ignore[attr-defined]
+    graph, _ = graphs.graphs[1]
+    replay_ms = _median_ms(graph.replay, repeats=50)
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    llm.generate([{"prompt_token_ids": list(range(300, 428))}], params, use_tqdm=False)
+    profiler.disable()
+    step_ms = (time.perf_counter() - t0) * 1000 / 64
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+    return {"graph_replay_ms": replay_ms, "step_ms_profiled": step_ms, "top": out.getvalue()[-6000:]}
+
+
 def hf_throughput(model_dir: Path, batch: int, io: tuple[int, int]) -> dict[str, Any]:
     """transformers ``generate`` on the same GPU, bfloat16, same shapes (no padding needed)."""
     from transformers import AutoModelForCausalLM
@@ -238,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = {"dtype": "bfloat16", "max_num_seqs": 64, **extra}
         stages.append((f"smollm_{label}", partial(speed, smol, "cuda", label, opts, (1, 64), (128, 128))))
     stages.append(("smollm_transformers", lambda: hf_throughput(smol, 64, (128, 128))))
+    stages.append(("step_profile", lambda: step_profile(smol)))
     big = dummy_8b(models, smol)
     for label, extra in (("graphs", {"cuda_graph_sizes": graphs}), ("eager", {"enforce_eager": True})):
         opts = {
