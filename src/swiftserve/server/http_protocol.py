@@ -19,7 +19,8 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def _error_bytes(status: int, reason: bytes, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+def _error_bytes(message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """Headers and body of a connection-closing OpenAI-style error."""
     body = json.dumps(
         {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
     ).encode()
@@ -98,9 +99,7 @@ class OpenAIH11Protocol(H11Protocol):
             return
         started = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
         if not started and (phase == "headers" or self.conn.our_state is h11.SEND_RESPONSE):
-            headers, body = _error_bytes(
-                408, b"Request Timeout", f"The request {phase} took too long to arrive."
-            )
+            headers, body = _error_bytes(f"The request {phase} took too long to arrive.")
             head = b"HTTP/1.1 408 Request Timeout\r\n" + b"".join(k + b": " + v + b"\r\n" for k, v in headers)
             self.transport.write(head + b"\r\n" + body)
         if self.cycle is not None and not self.cycle.response_complete:
@@ -119,7 +118,7 @@ class OpenAIH11Protocol(H11Protocol):
         else:
             status, reason = 400, b"Bad Request"
             message = "Invalid HTTP request received."
-        headers, body = _error_bytes(status, reason, message)
+        headers, body = _error_bytes(message)
         self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers, reason=reason)))
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
