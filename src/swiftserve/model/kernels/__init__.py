@@ -1,7 +1,8 @@
 """Optional compiled CPU kernels, built by ``make install`` with torch's C++ extension loader.
 
-The build is cached under a name keyed by the sources and the CPU's instruction sets, so a
-different checkout or a different machine never picks up (or clobbers) another's build, and
+The build is cached under a name keyed by the sources, their folder and the CPU's instruction
+sets, so a different checkout or a different machine never picks up (or clobbers) another's
+build, and
 the engine loads the cached module at start (never inside a request). If the build fails (no
 compiler, no ninja), callers use the PyTorch backend, which computes the same result; tests
 check both agree. ``EngineConfig.kernel_backend`` chooses the backend (model/ops.py).
@@ -69,9 +70,11 @@ def cpu_isa() -> tuple[str, ...]:
 
 
 def build_name() -> str:
-    """Extension name keyed by the kernel sources and this CPU's instruction sets."""
-    digest = hashlib.sha256(",".join(cpu_isa()).encode())
+    """Extension name keyed by the kernel sources, their folder and this CPU's instruction sets."""
     here = Path(__file__).parent
+    # The checkout's path too: torch's build folder records absolute source paths, so two
+    # checkouts sharing one name would rebuild over each other on every switch.
+    digest = hashlib.sha256(",".join((*cpu_isa(), str(here.resolve()))).encode())
     for name in (*_SOURCES, "ops.h"):
         path = here / name
         if path.is_file():
