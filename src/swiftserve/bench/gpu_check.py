@@ -171,22 +171,29 @@ def speed(model_dir: Path, device: str, label: str, extra: dict[str, Any], batch
     return result
 
 
-def step_profile(model_dir: Path) -> dict[str, Any]:
-    """Where a batch-1 decode step goes: graph replay alone (CUDA events) vs the whole step,
-    and the host functions that take the most time (cProfile over 64 decode steps)."""
+def step_profile(model_dir: Path, **options: Any) -> dict[str, Any]:
+    """Where a decode step goes: graph replay alone (CUDA events) at batch 1 and 64 (pure
+    decode steps), the whole batch-1 step, and the host functions that take the most time
+    (cProfile over 64 decode steps)."""
     import cProfile
     import io
     import pstats
 
     from swiftserve import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", cuda_graph_sizes=(1,), progress=False)
+    llm = LLM(
+        str(model_dir), dtype="bfloat16", device="cuda", cuda_graph_sizes=(1, 64), progress=False, **options
+    )
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(100, 228))}]
     llm.generate(prompt, params, use_tqdm=False)
     graphs = llm.engine.executor.worker.runner.graphs  # type: ignore[attr-defined]
-    graph, _ = graphs.graphs[1]
-    replay_ms = _median_ms(graph.replay, repeats=50)
+    replay_ms = _median_ms(graphs.graphs[1][0].replay, repeats=50)
+    # batch 64 at a 200-token context: every row reads 13 blocks, writes no KV (slot -1)
+    graphs.pos[:64].fill_(200)
+    graphs.slots[:64].fill_(-1)
+    graphs.tables[:64] = torch.arange(graphs.max_blocks, device=graphs.tables.device)
+    replay64_ms = _median_ms(graphs.graphs[64][0].replay, repeats=20)
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()
@@ -195,7 +202,12 @@ def step_profile(model_dir: Path) -> dict[str, Any]:
     step_ms = (time.perf_counter() - t0) * 1000 / 64
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
-    return {"graph_replay_ms": replay_ms, "step_ms_profiled": step_ms, "top": out.getvalue()[-6000:]}
+    return {
+        "graph_replay_ms": replay_ms,
+        "graph_replay_batch64_ms": replay64_ms,
+        "step_ms_profiled": step_ms,
+        "top": out.getvalue()[-6000:],
+    }
 
 
 def hf_throughput(model_dir: Path, batch: int, io: tuple[int, int]) -> dict[str, Any]:
@@ -267,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     stages.append(("smollm_transformers", lambda: hf_throughput(smol, 64, (128, 128))))
     stages.append(("step_profile", lambda: step_profile(smol)))
     big = dummy_8b(models, smol)
+    big_opts = {"load_format": "dummy", "max_model_len": 1024}
+    stages.append(("llama8b_step_profile", lambda: step_profile(big, **big_opts)))
     for label, extra in (("graphs", {"cuda_graph_sizes": graphs}), ("eager", {"enforce_eager": True})):
         opts = {
             "dtype": "bfloat16",
