@@ -90,8 +90,11 @@ class ThreadCoreClient:
 _reply_decoder = msgspec.msgpack.Decoder(Reply)  # type: ignore[arg-type]
 
 
-def _engine_process_main(config_bytes: bytes, model_path: str, conn: Any) -> None:
+def _engine_process_main(config_bytes: bytes, model_path: str, conn: Any, log_level: int) -> None:
     """Entry point of the engine process: build the core, then serve the pipe."""
+    # A spawned process starts with no logging set up: keep the server's level and format
+    # (the kernel backend and KV sizing are logged from here).
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     config = msgspec.convert(msgspec.msgpack.decode(config_bytes), EngineConfig)
     loop = CoreLoop(EngineCore(config, model_path, progress=False))
     conn.send_bytes(encode(Ready(core_info(loop.core))))
@@ -130,7 +133,7 @@ class ProcessCoreClient:
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_engine_process_main,
-            args=(encode(config), str(Path(model_path)), child),
+            args=(encode(config), str(Path(model_path)), child, logging.getLogger().getEffectiveLevel()),
             name="swiftserve-engine",
             daemon=True,
         )
