@@ -103,6 +103,13 @@ def _bench_batcher(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_startup(args: argparse.Namespace) -> int:
+    from swiftserve.bench import startup
+
+    startup.run(args)
+    return 0
+
+
 def _bench_quant(args: argparse.Namespace) -> int:
     from swiftserve.bench import quant
 
@@ -124,10 +131,24 @@ _BENCHES = [
     ),
     ("batcher", "batching", "adaptive vs fixed batching windows on a bursty trace", _bench_batcher, False),
     ("quant", "quant", "float32 / bfloat16 / INT8 / INT4: memory, perplexity, speed", _bench_quant, False),
+    ("startup", "startup", "cold start: serve to healthy / first token, LLM(...)", _bench_startup, False),
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _wanted(argv: list[str] | None, command: str, name: str | None = None) -> bool:
+    """Whether argv may select ``command`` (and subcommand ``name``): the flags of other
+    subcommands are not built, so ``serve`` never imports the benchmark modules (httpx,
+    numpy...), which took ~0.5 s of every server's start."""
+    if argv is None:
+        return True
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] != command:
+        return not words  # no subcommand yet: build everything for the help text
+    return name is None or len(words) < 2 or words[1] == name
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; with ``argv``, only the selected subcommand's flags are built."""
     parser = argparse.ArgumentParser(prog="swiftserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -162,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     eval_sub = evl.add_subparsers(dest="eval_command", required=True)
     ppl = eval_sub.add_parser("perplexity", help="perplexity from the engine's prompt logprobs")
     add_engine_args(ppl)
-    importlib.import_module("swiftserve.tools.evaluate").add_args(ppl)
+    if _wanted(argv, "eval"):
+        importlib.import_module("swiftserve.tools.evaluate").add_args(ppl)
     ppl.set_defaults(func=_eval_perplexity)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -174,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, help_text, func, engine_flags in _BENCHES:
         parser_ = bench_sub.add_parser(name, help=help_text)
+        if not _wanted(argv, "bench", name):
+            continue
         if engine_flags:
             add_engine_args(parser_)
         importlib.import_module(f"swiftserve.bench.{module}").add_args(parser_)
@@ -182,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "dtype", None) is None and hasattr(args, "dtype"):
         args.dtype = "auto"

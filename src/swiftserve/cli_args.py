@@ -15,6 +15,7 @@ from swiftserve.config import (
     LOAD_FORMATS,
     POLICIES,
     QUANTIZATIONS,
+    TOKENIZER_MODES,
     EngineConfig,
 )
 from swiftserve.server.settings import ENGINE_MODES, ServerSettings
@@ -28,6 +29,7 @@ _CHOICES = {
     "bf16_gemm": BF16_GEMMS,
     "device": DEVICES,
     "load_format": LOAD_FORMATS,
+    "tokenizer_mode": TOKENIZER_MODES,
 }
 
 

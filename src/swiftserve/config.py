@@ -14,6 +14,7 @@ KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 BF16_GEMMS = ("panel", "onednn")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+TOKENIZER_MODES = ("auto", "hf")
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 
@@ -38,11 +39,14 @@ class EngineConfig:
     one profiling forward; decode-only steps replay CUDA graphs captured at the
     ``cuda_graph_sizes`` batch buckets (default 1, 2, 4, 8, then steps of 8 up to
     ``max_num_seqs``) unless ``enforce_eager``. ``load_format="dummy"``: seeded random weights
-    from config.json alone (benchmarks of big shapes).
+    from config.json alone (benchmarks of big shapes). ``tokenizer_mode``: "auto" loads a
+    generic tokenizer.json with the ``tokenizers`` library (no transformers import at start),
+    "hf" always through ``transformers.AutoTokenizer``.
     """
 
     model: str | None = None
     tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -89,6 +93,7 @@ class EngineConfig:
             ("bf16_gemm", BF16_GEMMS),
             ("device", DEVICES),
             ("load_format", LOAD_FORMATS),
+            ("tokenizer_mode", TOKENIZER_MODES),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:

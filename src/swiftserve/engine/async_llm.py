@@ -16,10 +16,11 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from swiftserve import startup
 from swiftserve.config import EngineConfig
 from swiftserve.core.messages import FINISH_REJECTED, Abort, Add, EngineCoreOutput
 from swiftserve.core.scheduler import fits_in_kv_pool
-from swiftserve.engine.core_client import ProcessCoreClient, ThreadCoreClient
+from swiftserve.engine.core_client import ProcessCoreClient, ThreadCoreClient, start_core_client
 from swiftserve.engine.frontend import Frontend
 from swiftserve.engine.inputs import InvalidRequestError, ProcessedPrompt, Prompt
 from swiftserve.engine.tokenizer import load_tokenizer
@@ -46,17 +47,24 @@ class AsyncLLM:
     """Async generation: ``async for out in engine.generate(prompt, params, request_id)``."""
 
     def __init__(
-        self, config: EngineConfig, model_path: str, *, progress: bool = True, engine_process: bool = False
+        self,
+        config: EngineConfig,
+        model_path: str,
+        *,
+        progress: bool = True,
+        engine_process: bool = False,
+        client: ThreadCoreClient | ProcessCoreClient | None = None,
     ):
+        """``client``: an engine already being started (see ``start_core_client``)."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         # The core runs in its own process (msgspec over a pipe) or in a thread of this one.
-        self.client: ThreadCoreClient | ProcessCoreClient = (
-            ProcessCoreClient(config, model_path, progress)
-            if engine_process
-            else ThreadCoreClient(config, model_path, progress)
-        )
-        self.frontend = Frontend(self.tokenizer, model_path, self.client.info)
+        self.client = client or start_core_client(config, model_path, progress, engine_process)
+        timeline = startup.current()
+        with timeline.phase("tokenizer"):  # while the engine process loads the model
+            self.tokenizer = load_tokenizer(config.tokenizer or model_path, config.tokenizer_mode)
+        with timeline.phase("wait for engine"):
+            info = self.client.wait_ready()
+        self.frontend = Frontend(self.tokenizer, model_path, info)
         self.max_model_len = self.frontend.max_model_len
         self.inputs = self.frontend.inputs
         self.processor = self.frontend.processor

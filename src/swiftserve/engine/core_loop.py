@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -25,7 +25,9 @@ from swiftserve.core.messages import (
     Stop,
     rejected_output,
 )
-from swiftserve.engine.core import EngineCore
+
+if TYPE_CHECKING:
+    from swiftserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 

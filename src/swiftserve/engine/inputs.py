@@ -112,7 +112,7 @@ class InputProcessor:
                 raise InvalidRequestError("prompt: must not be empty", "prompt")
             self.check_chars(len(prompt))
             text = prompt
-            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             token_ids = prompt
         return ProcessedPrompt(text, self._check_ids(token_ids))

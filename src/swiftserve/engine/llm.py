@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from swiftserve import startup
 from swiftserve.config import EngineConfig
 from swiftserve.core.messages import FINISH_REJECTED, Abort, Add
 from swiftserve.engine.core import EngineCore
@@ -20,6 +21,7 @@ from swiftserve.engine.model_source import resolve_model
 from swiftserve.engine.tokenizer import load_tokenizer
 from swiftserve.outputs import RequestOutput
 from swiftserve.sampling_params import SamplingParams
+from swiftserve.startup import Timeline
 
 Message = dict[str, Any]
 
@@ -32,12 +34,17 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **options: Any):
+        timeline = Timeline("LLM", anchor=time.time())
+        startup.set_current(timeline)  # the worker's phases land on this timeline
         self.config = EngineConfig(model=model, **options)
         path = resolve_model(model)
         self.model_path = Path(path)
-        tokenizer = load_tokenizer(self.config.tokenizer or path)
+        with timeline.phase("tokenizer"):
+            tokenizer = load_tokenizer(self.config.tokenizer or path, self.config.tokenizer_mode)
         self.loop = CoreLoop(EngineCore(self.config, path, progress=progress))
         self.frontend = Frontend(tokenizer, path, core_info(self.loop.core))
+        timeline.mark("ready")
+        self.startup = timeline
         self.tokenizer = tokenizer
         self.max_model_len = self.frontend.max_model_len
         self.inputs = self.frontend.inputs

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from swiftserve.worker.encoder_runner import is_encoder_checkpoint
+
+__all__ = ["DEMO_MODEL_DIR", "demo_model_dir", "is_encoder_checkpoint", "resolve_model"]
+
 DEMO_MODEL_DIR = Path(__file__).parent.parent / "demo_model"
 
 

@@ -114,3 +114,15 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V cache per token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra")
+
+
+def is_encoder_checkpoint(path: str | Path) -> bool:
+    """True if config.json describes an encoder we embed with (not a causal LM)."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        return False
+    cfg = json.loads(cfg_file.read_text())
+    return cfg.get("model_type") in ENCODER_TYPES

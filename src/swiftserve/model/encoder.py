@@ -11,18 +11,9 @@ from pathlib import Path
 
 import torch
 
-from swiftserve.model.config import CheckpointError
+from swiftserve.model.config import ENCODER_TYPES, CheckpointError, is_encoder_checkpoint
 
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra")
-
-
-def is_encoder_checkpoint(path: str | Path) -> bool:
-    """True if config.json describes an encoder we embed with (not a causal LM)."""
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        return False
-    cfg = json.loads(cfg_file.read_text())
-    return cfg.get("model_type") in ENCODER_TYPES
+__all__ = ["ENCODER_TYPES", "EncoderModel", "is_encoder_checkpoint"]
 
 
 def _pooling(path: Path) -> tuple[str, bool]:

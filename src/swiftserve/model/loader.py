@@ -93,7 +93,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
+    _materialize(model, torch_dtype, torch.device(device))
     if cfg.tie_word_embeddings:
         model.tie_weights()
     if load_format == "dummy":
@@ -103,6 +103,23 @@ def load_model(
     model.init_rotary(max_positions or cfg.max_position_embeddings)
     model.eval()
     return model
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage on ``device`` at ``dtype``.
+
+    What ``model.to(dtype).to_empty(device)`` does, minus its cost: those route meta tensors
+    through torch's reference ops, whose first use imports sympy (~0.8 s of start-up).
+    """
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is None or not t.is_meta:
+                    continue
+                kind = dtype if t.is_floating_point() else t.dtype
+                new = torch.empty(t.shape, dtype=kind, device=device)
+                is_param = name in module._parameters
+                slots[name] = torch.nn.Parameter(new, requires_grad=False) if is_param else new  # type: ignore[assignment]
 
 
 def _fill_dummy(model: LlamaForCausalLM) -> None:

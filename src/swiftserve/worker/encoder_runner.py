@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from swiftserve.model.encoder import EncoderModel, is_encoder_checkpoint
+from swiftserve.model.config import is_encoder_checkpoint
+
+if TYPE_CHECKING:
+    from swiftserve.model.encoder import EncoderModel
 
 __all__ = ["EncoderRunner", "is_encoder_checkpoint"]
 
@@ -13,7 +17,9 @@ class EncoderRunner:
     """Owns one encoder model; ``embed`` runs a whole batch in one forward."""
 
     def __init__(self, path: str | Path, dtype: str = "float32"):
-        self.model = EncoderModel(path, dtype)
+        from swiftserve.model.encoder import EncoderModel  # torch: only where it runs
+
+        self.model: EncoderModel = EncoderModel(path, dtype)
 
     @property
     def vocab_size(self) -> int:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
-from swiftserve.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from swiftserve.worker.worker import Worker
 
 
 class Executor(ABC):
@@ -43,7 +46,11 @@ class UniProcExecutor(Executor):
     """One Worker in this process."""
 
     def __init__(self, config: EngineConfig, model_dir: str | Path, *, progress: bool = True):
-        self.worker = Worker(config, model_dir, progress=progress)
+        # Imported here, not at the top: torch loads only in the process that owns the model
+        # (the server's frontend imports this module's callers but never builds a worker).
+        from swiftserve.worker.worker import Worker
+
+        self.worker: Worker = Worker(config, model_dir, progress=progress)
         self.model_info = self.worker.model_info
 
     def determine_num_kv_blocks(self) -> int:

@@ -18,6 +18,7 @@ from swiftserve.model.attention import AttentionMetadata, PrefillSegment
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.model.ops import TorchOps
 from swiftserve.worker.cuda_graphs import DecodeGraphs
+from swiftserve.worker.kv_memory import allocate_kv_caches
 from swiftserve.worker.sampler import Sampler, SamplingState, logprob_entries
 
 logger = logging.getLogger(__name__)
@@ -53,11 +54,8 @@ class ModelRunner:
         self.device = device = model.lm_head.weight.device
         self.cuda = device.type == "cuda"
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # see model/attention.py
-        # zeros, not empty: padded gathers read unused slots, which must hold finite values.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        # all zeros (padded gathers read unused slots), without a zero-fill pass on the CPU
+        self.kv_caches = allocate_kv_caches(cfg.num_layers, shape, dtype, device)
         # Persistent inputs: numpy views of (pinned, on CUDA) host staging buffers that each step
         # refills, copied to persistent device buffers (the same tensors on the CPU). A step
         # ends with the sampled tokens on the host, so the next refill never races a copy.

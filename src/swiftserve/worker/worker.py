@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from swiftserve import startup
 from swiftserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, graph_sizes
 from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata
@@ -114,27 +115,31 @@ class Worker:
         self.device = resolve_device(config.device)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        options = KernelOptions(config.bf16_gemm, config.fused_prefill, config.layer_stack)
-        self.ops = select_ops(config.kernel_backend, self.device, options)
-        model = load_model(
-            model_dir, config.dtype, self.max_model_len, progress, self.device, config.load_format
-        )
         if config.quantization and self.device.type != "cpu":
             raise ValueError(
                 f"EngineConfig.quantization={config.quantization!r} runs on the CPU only for now "
                 "(no CUDA INT8/INT4 kernels yet): use device='cpu' or no quantization"
             )
-        if config.quantization:
-            count = quantize_model(
-                model,
-                config.quantization,
-                config.quant_group_size,
-                lm_head=config.quantize_lm_head,
-                kernels=self.ops.kernels,
+        timeline = startup.current()
+        with timeline.phase("kernels"):
+            options = KernelOptions(config.bf16_gemm, config.fused_prefill, config.layer_stack)
+            self.ops = select_ops(config.kernel_backend, self.device, options)
+        with timeline.phase("load weights"):
+            model = load_model(
+                model_dir, config.dtype, self.max_model_len, progress, self.device, config.load_format
             )
-            logger.info("quantized %d linear layers to %s", count, config.quantization)
-        logger.info("prepacked %d linear layers", self.ops.pack_linears(model))  # what is left in bf16
-        model.stack = self.ops.stack_weights(model)
+        with timeline.phase("quantize and pack"):
+            if config.quantization:
+                count = quantize_model(
+                    model,
+                    config.quantization,
+                    config.quant_group_size,
+                    lm_head=config.quantize_lm_head,
+                    kernels=self.ops.kernels,
+                )
+                logger.info("quantized %d linear layers to %s", count, config.quantization)
+            logger.info("prepacked %d linear layers", self.ops.pack_linears(model))  # what is left in bf16
+            model.stack = self.ops.stack_weights(model)
         self.model = model
         self.runner: ModelRunner | None = None
 
@@ -160,7 +165,8 @@ class Worker:
         config = self.config
         if self.device.type != "cuda" or config.num_kv_blocks is not None or config.kv_cache_memory:
             return num_kv_blocks(config, self.model_config, self.model.dtype, self.max_model_len)
-        peak = profile_peak_memory(self.model, self.ops, config.max_num_batched_tokens, config.block_size)
+        with startup.current().phase("profile memory"):
+            peak = profile_peak_memory(self.model, self.ops, config.max_num_batched_tokens, config.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
         block_bytes = config.block_size * self.model_config.kv_bytes_per_token(self.model.dtype.itemsize)
         budget = int(total * config.gpu_memory_utilization) - peak
@@ -176,18 +182,21 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and the runner's persistent buffers."""
-        self.runner = ModelRunner(
-            self.model,
-            self.ops,
-            num_blocks=num_blocks,
-            block_size=self.config.block_size,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            seed=self.config.seed,
-        )
+        timeline = startup.current()
+        with timeline.phase("KV cache"):
+            self.runner = ModelRunner(
+                self.model,
+                self.ops,
+                num_blocks=num_blocks,
+                block_size=self.config.block_size,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                seed=self.config.seed,
+            )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
         # graphs need every attention row on the paged kernel (fixed shapes, no per-step mask)
         if self.device.type == "cuda" and not self.config.enforce_eager and not self.ops.decode_mask:
-            self.runner.capture_graphs(graph_sizes(self.config), self.max_model_len)
+            with timeline.phase("CUDA graphs"):
+                self.runner.capture_graphs(graph_sizes(self.config), self.max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"

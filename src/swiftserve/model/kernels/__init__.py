@@ -11,7 +11,10 @@ check both agree. ``EngineConfig.kernel_backend`` chooses the backend (model/ops
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
+import os
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -40,12 +43,16 @@ def cpu_kernels() -> ModuleType | None:
         return _module
     with _lock:
         if _module is None and not _failed:
+            name = build_name()
+            _module = _load_prebuilt(name)
+            if _module is not None:
+                return _module
             try:
                 from torch.utils.cpp_extension import load
 
                 here = Path(__file__).parent
                 _module = load(
-                    name=build_name(),
+                    name=name,
                     sources=[str(here / name) for name in _SOURCES],
                     # fast-math: vectorized expf (libmvec) and reassociated sums; the
                     # kernel is tested against the exact PyTorch path.
@@ -57,6 +64,44 @@ def cpu_kernels() -> ModuleType | None:
                 logger.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
                 _failed = True
     return _module
+
+
+def _build_dir(name: str) -> Path:
+    """Where torch's extension loader builds ``name`` (its own rule, without importing
+    torch.utils.cpp_extension, which costs ~150 ms of start-up)."""
+    import torch
+    from torch import _appdirs
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        cache = os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
+        accel = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        if torch.version.hip is not None:
+            accel = f"rocm{torch.version.hip.replace('.', '')}"
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cache, f"{py}_{accel}")
+    return Path(root) / name
+
+
+def _load_prebuilt(name: str) -> ModuleType | None:
+    """The already built module, imported directly (no ninja run, no cpp_extension import).
+
+    Safe because the name is keyed by the sources: a built .so of this name is up to date.
+    Anything odd (no file, a truncated link) returns None and the full loader rebuilds.
+    """
+    path = _build_dir(name) / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception as e:  # fall back to torch's loader, which rebuilds if it must
+        logger.info("prebuilt CPU kernels at %s not loadable (%s): rebuilding", path, e)
+        return None
 
 
 def cpu_isa() -> tuple[str, ...]:
