@@ -29,10 +29,17 @@ from tqdm.auto import tqdm
 
 from swiftserve.bench.launch import free_port
 
+# Self-contained (no swiftserve import before the timer starts), so that it also measures
+# older checkouts (--pythonpath) that predate swiftserve.startup.
 _LLM_SCRIPT = """
-import json, sys, time
-from swiftserve.startup import process_start_epoch
-born = process_start_epoch()
+import json, os, sys, time
+def born():
+    with open(f"/proc/{os.getpid()}/stat", "rb") as f:
+        ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+born = born()
 t0 = time.time()
 import torch
 from swiftserve import LLM, SamplingParams
@@ -172,11 +179,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs = []
             for i in tqdm(range(args.runs), desc=f"cold starts ({target})", unit="run"):
                 if target == "serve":
-                    runs.append(
-                        serve_once(args.model, args.dtype, args.serve_args.split(), Path(tmp) / f"{i}.log")
-                    )
+                    log = Path(tmp) / f"{i}.log"
+                    extra = args.serve_args.split()
+                    runs.append(serve_once(args.model, args.dtype, extra, log, args.pythonpath))
                 else:
-                    runs.append(llm_once(args.model, args.dtype))
+                    runs.append(llm_once(args.model, args.dtype, args.pythonpath))
             keys = [k for k in runs[0] if k.endswith("_s")]
             report[target] = {
                 "median": {k: statistics.median(r[k] for r in runs) for k in keys},
