@@ -147,3 +147,18 @@ def test_request_that_cannot_fit_pool(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="KV blocks"):
         small.generate("x " * 10, SamplingParams(max_tokens=20), use_tqdm=False)
     assert not small.engine.has_unfinished()
+
+
+def test_timeouts_end_requests_with_deadline_exceeded(llm: LLM) -> None:
+    """The core ends a request whose deadline passed (deadline_exceeded) and serves the rest."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    before = llm.engine.scheduler.slo_stats()["deadline_expired"]
+    outs = llm.generate(["a b c", "d e f"], params, timeout=[1e-9, None], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "deadline_exceeded"
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 40
+    assert llm.engine.scheduler.slo_stats()["deadline_expired"] == before + 1
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+    for bad in (0, -1, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="timeout"):
+            llm.generate("x", params, timeout=bad, use_tqdm=False)

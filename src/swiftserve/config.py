@@ -30,6 +30,10 @@ class EngineConfig:
     too when ``quantize_lm_head``, embeddings never.
     ``aging_interval_s``: a waiting request gains one priority level per this many seconds
     waited (priority policy only), which bounds starvation (see core/request_queue.py).
+    Requests with a deadline are served earliest-deadline-first within a priority level; one
+    without is ordered as if due ``edf_slack_s`` after its arrival. ``target_ttft_ms`` /
+    ``target_tpot_ms`` (P99 targets) make the per-step token budget adaptive (core/slo.py);
+    without them it is ``max_num_batched_tokens``.
     ``kernel_backend``: "auto" (the C++ CPU kernels when they built, else PyTorch), "torch"
     (the reference) or "cpu". A/B switches of the CPU kernels: ``bf16_gemm`` ("panel": our
     AVX512-BF16 GEMM; "onednn"), ``fused_prefill`` (bfloat16 prompt rows through the row
@@ -59,6 +63,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     scheduling_policy: str = "fcfs"
     aging_interval_s: float = 5.0
+    edf_slack_s: float = 30.0
+    target_ttft_ms: float | None = None
+    target_tpot_ms: float | None = None
     num_threads: int | None = None
     quantization: str | None = None
     quant_group_size: int = 128
@@ -114,6 +121,10 @@ class EngineConfig:
                 _positive_int(own, name, value, 1)
         _positive_int(own, "seed", self.seed, 0)
         check_range(own, "aging_interval_s", self.aging_interval_s, 0.0, low_open=True)
+        check_range(own, "edf_slack_s", self.edf_slack_s, 0.0, low_open=True)
+        for name in ("target_ttft_ms", "target_tpot_ms"):
+            if getattr(self, name) is not None:
+                check_range(own, name, getattr(self, name), 0.0, 3.6e6, low_open=True)
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

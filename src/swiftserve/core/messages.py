@@ -18,6 +18,7 @@ from swiftserve.sampling_params import SamplingParams
 # The engine's own finish reason for a request it refused to apply (a message it could not
 # decode or validate): that one request fails, never the engine process.
 FINISH_REJECTED = "rejected"
+FINISH_DEADLINE = "deadline_exceeded"  # the request's deadline passed or could not be met
 
 # (token_id, logprob, rank, ((top_token_id, top_logprob), ...))
 LogprobEntry = tuple[int, float, int, tuple[tuple[int, float], ...]]
@@ -114,6 +115,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     arrival_time: float = msgspec.field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() (one clock for both processes on Linux)
 
 
 class Add(msgspec.Struct, frozen=True, tag="add"):

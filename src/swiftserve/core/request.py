@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    FINISHED_DEADLINE = 7  # its deadline passed, or the engine saw it could not be met
 
     @property
     def finished(self) -> bool:
@@ -34,6 +35,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_DEADLINE: "deadline_exceeded",
 }
 
 _ALLOWED = {
@@ -63,6 +65,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     max_tokens: int = 16
     cache_salt: str | None = None
+    deadline: float | None = None  # time.monotonic() by which it must finish (None: no deadline)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -94,6 +97,18 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    def due_time(self, slack_s: float) -> float:
+        """The time it is ordered by (earliest deadline first): its deadline, or, without one,
+        ``slack_s`` after its arrival (which bounds how long deadlines can overtake it)."""
+        return self.deadline if self.deadline is not None else self.arrival_time + slack_s
+
+    def min_remaining_outputs(self) -> int:
+        """Output tokens it must still produce whatever it samples (a lower bound): all of
+        them with ignore_eos, else up to min_tokens, and at least the first one."""
+        params = self.sampling_params
+        target = self.max_tokens if params.ignore_eos else max(1, params.min_tokens)
+        return max(0, target - self.num_output_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -4,13 +4,20 @@ There are no prefill/decode phases: each request's ``num_computed_tokens`` catch
 its ``num_tokens`` a chunk at a time (chunked prefill falls out of the budget), and prefill
 and decode tokens share one forward pass. When blocks run out, the worst running request
 (by policy key: priority with aging, then latest arrival) is preempted by recompute.
+
+Deadlines (core/deadlines.py) are checked at the start of every step: a request whose
+deadline has passed, or that the step-cost model says cannot finish in time, ends with
+``deadline_exceeded`` and frees its blocks. With latency targets, core/slo.py plans each
+step's token budget; without, the budget is ``max_num_batched_tokens``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from swiftserve.core.block_manager import BlockManager
+from swiftserve.core.deadlines import DeadlineKeeper
 from swiftserve.core.messages import (
     EngineCoreOutput,
     NewRequestData,
@@ -21,6 +28,8 @@ from swiftserve.core.messages import (
 )
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
+from swiftserve.core.slo import BudgetPlanner, Pending, SLOTargets
+from swiftserve.core.step_cost import StepCostModel
 
 
 def fits_in_kv_pool(
@@ -49,15 +58,26 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         aging_interval_s: float = 5.0,
+        edf_slack_s: float = float("inf"),
+        targets: SLOTargets | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock  # injectable: the SLO tests run the scheduler on a simulated clock
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
         self.policy = policy
-        self.waiting = make_queue(policy, aging_interval_s)
+        self.waiting = make_queue(policy, aging_interval_s, edf_slack_s)
         self.running: list[Request] = []
+        self.cost = StepCostModel()
+        self.targets = targets or SLOTargets()
+        self.planner = (
+            BudgetPlanner(self.targets, max_num_batched_tokens, self.cost) if self.targets.any else None
+        )
+        self.deadlines = DeadlineKeeper(self.cost)
+        self._step_budget = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
@@ -94,7 +114,12 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.set_status(status)
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
+        if self.planner is not None and status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        ):
+            self.planner.observe_finished(*_latencies(request))
         self.bm.free(request)
         del self.requests[request.request_id]
         self._new_ids.discard(request.request_id)
@@ -120,7 +145,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones."""
-        budget = self.max_num_batched_tokens
+        now = self.clock()
+        for request in self.deadlines.due(now, self.running, self.waiting):
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_DEADLINE)
+        budget = self._step_budget = self._plan_budget(now)
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
         self.running.sort(key=self._key)
@@ -143,13 +171,13 @@ class Scheduler:
         return self._build_output(scheduled, preempted)
 
     def _admit_waiting(self, scheduled: dict[str, int], budget: int, preempted: list[str]) -> int:
-        now = time.monotonic()
+        now = self.clock()
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if len(self.running) >= self.max_num_seqs:
                 if not self._preempt_for(request, scheduled, preempted):
                     break
-                budget = self.max_num_batched_tokens - sum(scheduled.values())
+                budget = self._step_budget - sum(scheduled.values())
                 continue
             computed = self.bm.get_computed_blocks(request)
             num_computed = len(computed) * self.bm.block_size
@@ -160,7 +188,7 @@ class Scheduler:
             if not self.bm.allocate_slots(request, num_new, computed):
                 if not self._preempt_for(request, scheduled, preempted):
                     break
-                budget = self.max_num_batched_tokens - sum(scheduled.values())
+                budget = self._step_budget - sum(scheduled.values())
                 continue
             self.waiting.pop()
             self.bm.prefix_queries += request.num_tokens
@@ -173,6 +201,27 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _plan_budget(self, now: float) -> int:
+        """The token budget of this step: planned against the latency targets, if any."""
+        if self.planner is None:
+            return self.max_num_batched_tokens
+        tpot = self.targets.tpot_s or 0.0
+        decode_rows, min_bank, pending = 0, float("inf"), []
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens <= 1 and r.first_token_time is not None:
+                decode_rows += 1
+                min_bank = min(min_bank, tpot * (r.num_output_tokens - 1) - (now - r.first_token_time))
+            else:
+                pending.append(Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens))
+        pending += [Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens) for r in self.waiting]
+        return self.planner.plan(decode_rows, 0.0 if min_bank == float("inf") else min_bank, pending)
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """The measured wall time of a step: feeds the step-cost model."""
+        rows = sum(1 for item in sched.scheduled if len(item.token_ids) == 1)
+        if sched.scheduled:
+            self.cost.observe(sched.num_batched_tokens - rows, rows, seconds)
 
     def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
         """Priority policy: make room for ``request`` by preempting a worse running one."""
@@ -228,8 +277,8 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advance requests by a finished step; finish those that stopped."""
-        outputs: list[EngineCoreOutput] = []
-        now = time.monotonic()
+        outputs = [self.deadline_output(r) for r in self.deadlines.take_failed()]
+        now = self.clock()
         for item in sched.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -279,6 +328,18 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def deadline_output(self, request: Request) -> EngineCoreOutput:
+        """The output that ends a request the deadline check failed."""
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_logprobs=[],
+            prompt_logprobs=None,
+            finish_reason=RequestStatus.FINISHED_DEADLINE.finish_reason,
+            stop_reason=request.stop_reason,
+            times=self.times(request),
+        )
+
     @staticmethod
     def times(request: Request) -> RequestTimes:
         return RequestTimes(
@@ -290,6 +351,13 @@ class Scheduler:
         )
 
     # ---- introspection -------------------------------------------------------------------
+    def slo_stats(self) -> dict[str, float]:
+        """Deadline counters and the budget planner's state (for /metrics)."""
+        stats: dict[str, float] = {"step_budget": float(self._step_budget), **self.deadlines.stats()}
+        if self.planner is not None:
+            stats.update(self.planner.stats())
+        return stats
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -300,3 +368,14 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
+
+
+def _latencies(request: Request) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) of a finished request, as the engine measured them."""
+    first = request.first_token_time
+    if first is None:
+        return None, None
+    tpot = None
+    if request.num_output_tokens > 1 and request.finished_time is not None:
+        tpot = (request.finished_time - first) / (request.num_output_tokens - 1)
+    return first - request.arrival_time, tpot

@@ -18,7 +18,7 @@ from typing import Any
 
 from swiftserve import startup
 from swiftserve.config import EngineConfig
-from swiftserve.core.messages import FINISH_REJECTED, Abort, Add, EngineCoreOutput
+from swiftserve.core.messages import FINISH_DEADLINE, FINISH_REJECTED, Abort, Add, EngineCoreOutput
 from swiftserve.core.scheduler import fits_in_kv_pool
 from swiftserve.engine.core_client import ProcessCoreClient, ThreadCoreClient, start_core_client
 from swiftserve.engine.frontend import Frontend
@@ -113,11 +113,15 @@ class AsyncLLM:
                     callback(error)
             return
         for out in item:
-            if out.finish_reason == FINISH_REJECTED:  # the core refused it: fail that request alone
+            if out.finish_reason in (FINISH_REJECTED, FINISH_DEADLINE):  # fail that request alone
                 parent = self.processor.parent_of(out.request_id)
                 rq = self._queues.get(parent) if parent is not None else None
                 if rq is not None:
-                    rq.put_nowait(InvalidRequestError(f"rejected by the engine: {out.stop_reason}"))
+                    rq.put_nowait(
+                        InvalidRequestError(f"rejected by the engine: {out.stop_reason}")
+                        if out.finish_reason == FINISH_REJECTED
+                        else RequestDeadlineError(f"deadline exceeded: {out.stop_reason}")
+                    )
         touched, stopped = self.processor.process(item)
         if stopped:
             self.client.send(Abort(stopped, stopped=True))
@@ -150,8 +154,10 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield incremental outputs (``text`` holds only the new text of each step).
 
-        ``deadline`` is an absolute time.monotonic() value; past it the request is aborted
-        and RequestDeadlineError is raised. Cancelling the consumer aborts the request.
+        ``deadline`` is an absolute time.monotonic() value; the core serves it earliest
+        deadline first and fails it early when it cannot make it; past it the request is
+        aborted here too; either way RequestDeadlineError is raised. Cancelling the
+        consumer aborts the request.
         """
         if self.is_dead or not self._started:
             raise EngineDeadError("engine is not running")
@@ -167,7 +173,9 @@ class AsyncLLM:
         # error once leaked the queue and the processor state of every such request).
         try:
             arrival = arrival_time if arrival_time is not None else time.monotonic()
-            requests = self.frontend.add_request(request_id, processed, params, max_tokens, priority, arrival)
+            requests = self.frontend.add_request(
+                request_id, processed, params, max_tokens, priority, arrival, deadline
+            )
             self.client.send(Add(requests))
             while True:
                 timeout = None if deadline is None else deadline - time.monotonic()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from pathlib import Path
 
 from swiftserve.config import EngineConfig
@@ -16,6 +17,7 @@ from swiftserve.core.block_manager import BlockManager
 from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.scheduler import Scheduler
+from swiftserve.core.slo import SLOTargets
 from swiftserve.worker.executor import Executor, UniProcExecutor
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,11 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             aging_interval_s=config.aging_interval_s,
+            edf_slack_s=config.edf_slack_s,
+            targets=SLOTargets(
+                config.target_ttft_ms / 1000 if config.target_ttft_ms else None,
+                config.target_tpot_ms / 1000 if config.target_tpot_ms else None,
+            ),
         )
         # Everything allocated so far lives as long as the engine: keep the cyclic GC from
         # walking it on every collection during steps (DESIGN.md, performance rules).
@@ -67,6 +74,7 @@ class EngineCore:
                 priority=request.priority,
                 arrival_time=request.arrival_time,
                 max_tokens=request.max_tokens,
+                deadline=request.deadline,
             )
         )
 
@@ -78,7 +86,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over the scheduled tokens; returns what changed."""
         sched = self.scheduler.schedule()
+        start = time.perf_counter()
         result = self.executor.execute_model(sched)
+        self.scheduler.observe_step(sched, time.perf_counter() - start)
         return self.scheduler.update(sched, result)
 
     def has_unfinished(self) -> bool:

@@ -46,6 +46,7 @@ class Frontend:
         max_tokens: int,
         priority: int,
         arrival_time: float,
+        deadline: float | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a request with the output processor; its core requests (one per sequence)."""
         children = self.processor.add_request(request_id, processed.prompt, processed.token_ids, params)
@@ -58,6 +59,7 @@ class Frontend:
                 self.eos_token_ids,
                 priority,
                 arrival_time,
+                deadline,
             )
             for i, child in enumerate(children)
         ]

@@ -68,19 +68,32 @@ class LLM:
         use_tqdm: bool = True,
         *,
         add_special_tokens: bool = True,
+        timeout: float | Sequence[float | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order."""
+        """Run prompts to completion; outputs come back in input order.
+
+        ``timeout`` (seconds from now, one or one per prompt): a request that cannot finish
+        in time ends early with ``finish_reason == "deadline_exceeded"``; requests with a
+        deadline are served earliest-deadline-first.
+        """
         items = normalize_prompts(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(items), "sampling_params")
         prios = _per_prompt(list(priority) if priority is not None else 0, len(items), "priority")
+        timeouts = _per_prompt(
+            list(timeout) if isinstance(timeout, Sequence) else timeout, len(items), "timeout"
+        )
+        now = time.monotonic()
+        deadlines = [None if t is None else now + _check_timeout(t) for t in timeouts]
         # Validate everything before queueing anything: all-or-nothing.
         processed = [self.inputs.process(p, add_special_tokens=add_special_tokens) for p in items]
         max_tokens = [
             self.inputs.max_tokens(len(p.token_ids), sp) for p, sp in zip(processed, params, strict=True)
         ]
         request_ids = [str(next(self._ids)) for _ in items]
-        for rid, proc, sp, prio, mt in zip(request_ids, processed, params, prios, max_tokens, strict=True):
-            self._add(rid, proc, sp, prio, mt)
+        for rid, proc, sp, prio, mt, dl in zip(
+            request_ids, processed, params, prios, max_tokens, deadlines, strict=True
+        ):
+            self._add(rid, proc, sp, prio, mt, dl)
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -111,9 +124,10 @@ class LLM:
         params: SamplingParams,
         priority: int,
         max_tokens: int,
+        deadline: float | None = None,
     ) -> None:
         requests = self.frontend.add_request(
-            request_id, processed, params, max_tokens, priority, time.monotonic()
+            request_id, processed, params, max_tokens, priority, time.monotonic(), deadline
         )
         rejected = self.loop.apply(Add(requests))
         if rejected:
@@ -140,6 +154,14 @@ class LLM:
         if pending:
             raise RuntimeError(f"engine stopped with unfinished requests: {sorted(pending)}")
         return [done[rid] for rid in request_ids]
+
+
+def _check_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1e7:
+        raise InvalidRequestError(
+            f"timeout: must be a number of seconds in (0, 1e7], got {value!r}", "timeout"
+        )
+    return float(value)
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:

@@ -131,7 +131,11 @@ def create_app(
     embedding_model_name: str | None = None,
 ) -> FastAPI:
     """Build the app around a (not yet started) AsyncLLM and/or an embedding service."""
-    metrics = ServerMetrics()
+    config = engine.config if engine is not None else None
+    metrics = ServerMetrics(
+        config.target_ttft_ms / 1000 if config and config.target_ttft_ms else None,
+        config.target_tpot_ms / 1000 if config and config.target_tpot_ms else None,
+    )
     serving = OpenAIServing(engine, settings, metrics)
     embed_name = embedding_model_name or settings.served_model_name or "swiftserve-embeddings"
 

@@ -14,7 +14,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class ServerMetrics:
     """All server-side metrics in one registry (one per app, so tests can run several)."""
 
-    def __init__(self) -> None:
+    def __init__(self, target_ttft_s: float | None = None, target_tpot_s: float | None = None) -> None:
+        self.target_ttft_s = target_ttft_s
+        self.target_tpot_s = target_tpot_s
         r = self.registry = CollectorRegistry()
         self.running = Gauge("swiftserve:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("swiftserve:num_requests_waiting", "Requests waiting to run", registry=r)
@@ -60,6 +62,25 @@ class ServerMetrics:
         )
         self.embed_latency_p99 = Gauge("swiftserve:embedding_latency_p99_seconds", "Latency P99", registry=r)
         self.embed_window = Gauge("swiftserve:embedding_batch_window_seconds", "Current window", registry=r)
+        # Goodput (vLLM's definition): finished requests that met every latency target.
+        self.slo = Counter(
+            "swiftserve:slo_requests",
+            "Finished requests by latency target (ttft, tpot, all) and whether they met it",
+            ["slo", "met"],
+            registry=r,
+        )
+        self.step_budget = Gauge("swiftserve:step_token_budget", "Token budget of the last step", registry=r)
+        self.deadline_failed = Gauge(
+            "swiftserve:deadline_failures_total",
+            "Requests ended for their deadline: passed (expired) or not reachable (infeasible)",
+            ["reason"],
+            registry=r,
+        )
+        self.deadline_wasted = Gauge(
+            "swiftserve:deadline_wasted_tokens_total",
+            "Tokens computed for requests that then ended for their deadline",
+            registry=r,
+        )
 
     def observe_finished(
         self,
@@ -80,6 +101,23 @@ class ServerMetrics:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        self._observe_slo(metrics, completion_tokens)
+
+    def _observe_slo(self, metrics: RequestMetrics, completion_tokens: int) -> None:
+        if self.target_ttft_s is None and self.target_tpot_s is None:
+            return
+        first, done = metrics.first_token_time, metrics.finished_time
+        met = []
+        if self.target_ttft_s is not None:
+            ok = first is not None and first - metrics.arrival_time <= self.target_ttft_s
+            self.slo.labels(slo="ttft", met=str(ok).lower()).inc()
+            met.append(ok)
+        if self.target_tpot_s is not None and first is not None and done is not None:
+            tpot = (done - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
+            ok = tpot <= self.target_tpot_s
+            self.slo.labels(slo="tpot", met=str(ok).lower()).inc()
+            met.append(ok)
+        self.slo.labels(slo="all", met=str(bool(met) and all(met)).lower()).inc()
 
     def render(self, stats: dict[str, Any], embedding: dict[str, Any] | None = None) -> bytes:
         if stats:
@@ -89,6 +127,11 @@ class ServerMetrics:
             self.prefix_queries.set(stats["prefix_queries"])
             self.prefix_hits.set(stats["prefix_hits"])
             self.preemptions.set(stats["num_preemptions"])
+        if "step_budget" in stats:
+            self.step_budget.set(stats["step_budget"])
+            self.deadline_failed.labels(reason="expired").set(stats["deadline_expired"])
+            self.deadline_failed.labels(reason="infeasible").set(stats["deadline_infeasible"])
+            self.deadline_wasted.set(stats["deadline_wasted_tokens"])
         if "frontend_requests" in stats:
             self.frontend_requests.set(stats["frontend_requests"])
         if embedding is not None:

@@ -39,7 +39,7 @@ def to_api_error(error: BaseException) -> APIError:
     if isinstance(error, RequestDeadlineError):
         return APIError(
             408,
-            "The request's timeout expired before it finished (queue time included).",
+            f"The request's timeout expired before it finished (queue time included): {error}",
             type_="timeout_error",
             param="timeout",
             code="deadline_exceeded",

@@ -1,0 +1,241 @@
+"""SLO-aware scheduling in the core (no torch): EDF, aging, deadlines, the budget planner.
+
+The scheduler runs on a simulated clock against a known step-cost function, so the tests
+check the control law itself, not the speed of this machine.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swiftserve.config import EngineConfig
+from swiftserve.core.block_manager import BlockManager
+from swiftserve.core.messages import RunnerOutput
+from swiftserve.core.request import Request, RequestStatus
+from swiftserve.core.request_queue import FCFSQueue, PriorityQueue
+from swiftserve.core.scheduler import Scheduler
+from swiftserve.core.slo import BudgetPlanner, Pending, SLOTargets
+from swiftserve.core.step_cost import StepCostModel
+from swiftserve.sampling_params import SamplingParams
+
+
+def req(
+    rid: str,
+    arrival: float = 0.0,
+    deadline: float | None = None,
+    priority: int = 0,
+    prompt: int = 8,
+    max_tokens: int = 8,
+    ignore_eos: bool = True,
+) -> Request:
+    return Request(
+        rid,
+        list(range(1, prompt + 1)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+        priority=priority,
+        arrival_time=arrival,
+        max_tokens=max_tokens,
+        deadline=deadline,
+    )
+
+
+def true_cost(prompt_tokens: int, decode_rows: int) -> float:
+    """The simulated machine: 4 ms per step, 0.1 ms per prompt token, 0.4 ms per decode row."""
+    return 0.004 + 0.0001 * prompt_tokens + 0.0004 * decode_rows
+
+
+class SimEngine:
+    """A Scheduler on a simulated clock; each step advances the clock by true_cost."""
+
+    def __init__(self, targets: SLOTargets | None, max_budget: int = 2048):
+        self.now = 0.0
+        self.sched = Scheduler(
+            BlockManager(4096, 16, enable_prefix_caching=False),
+            max_num_seqs=64,
+            max_num_batched_tokens=max_budget,
+            max_model_len=4096,
+            targets=targets,
+            edf_slack_s=30.0,
+            clock=lambda: self.now,
+        )
+        self.step_times: list[tuple[float, int]] = []  # (seconds, decode rows)
+        self.finished: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.sched.add_request(request)
+
+    def step(self) -> list:  # type: ignore[type-arg]
+        out = self.sched.schedule()
+        rows = sum(1 for item in out.scheduled if len(item.token_ids) == 1)
+        seconds = true_cost(out.num_batched_tokens - rows, rows)
+        self.now += seconds
+        self.step_times.append((seconds, rows))
+        self.sched.observe_step(out, seconds)
+        live = {r.request_id: r for r in self.sched.running}
+        result = RunnerOutput(sampled_token_ids={i.request_id: 7 for i in out.scheduled if i.sample})
+        outputs = self.sched.update(out, result)
+        for o in outputs:
+            if o.finish_reason is not None and o.request_id in live:
+                self.finished[o.request_id] = live[o.request_id]
+        return outputs
+
+
+def tpot(r: Request) -> float:
+    assert r.first_token_time is not None and r.finished_time is not None
+    return (r.finished_time - r.first_token_time) / (r.num_output_tokens - 1)
+
+
+# ---- ordering ----------------------------------------------------------------------------------
+def test_fcfs_queue_is_edf_and_keeps_arrival_order_without_deadlines() -> None:
+    q = FCFSQueue(slack_s=30.0)
+    for r in (req("plain1", 0.0), req("late", 1.0, deadline=20.0), req("plain2", 2.0), req("soon", 3.0, 5.0)):
+        q.add(r)
+    q.prepend(req("preempted", -1.0))
+    assert [r.request_id for r in q] == ["soon", "late", "preempted", "plain1", "plain2"]
+    assert [q.pop().request_id for _ in range(len(q))] == ["soon", "late", "preempted", "plain1", "plain2"]
+
+
+def test_priority_queue_is_edf_within_a_level() -> None:
+    q = PriorityQueue(aging_interval_s=5.0, slack_s=30.0)
+    for r in (
+        req("p1-plain", 0.0, priority=1),
+        req("p0-late", 0.0, deadline=25.0),
+        req("p0-soon", 0.5, deadline=2.0),
+        req("p0-plain", 0.0),
+    ):
+        q.add(r)
+    assert [q.pop().request_id for _ in range(4)] == ["p0-soon", "p0-late", "p0-plain", "p1-plain"]
+
+
+def test_aging_bounds_starvation_under_a_stream_of_deadlines() -> None:
+    """A priority-3 request without a deadline is overtaken only by requests arriving within
+    slack + 3 * aging seconds after it (the bound in core/request_queue.py)."""
+    slack, aging = 30.0, 5.0
+    q = PriorityQueue(aging_interval_s=aging, slack_s=slack)
+    q.add(req("starving", 0.0, priority=3))
+    bound = slack + 3 * aging
+    for t in range(0, 120, 5):  # urgent priority-0 requests with 1 s deadlines keep coming
+        q.add(req(f"urgent@{t}", float(t), deadline=t + 1.0))
+    order = [r.request_id for r in q]
+    ahead = order[: order.index("starving")]
+    assert ahead and all(float(rid.split("@")[1]) < bound for rid in ahead)
+    assert any(float(rid.split("@")[1]) >= bound for rid in order[order.index("starving") + 1 :])
+
+
+# ---- deadlines -------------------------------------------------------------------------------
+def test_expired_and_infeasible_deadlines_fail_early_with_their_error() -> None:
+    sim = SimEngine(targets=None)
+    for i in range(4):  # warm the cost model on real-looking steps
+        sim.add(req(f"warm{i}", 0.0, prompt=64 * (i + 1), max_tokens=30))
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sim.sched.cost.ready
+    now = sim.now
+    sim.add(req("past", now - 1.0, deadline=now - 0.01))
+    # 400 decode steps of >= 4 ms cannot fit in 0.2 s
+    sim.add(req("hopeless", now, deadline=now + 0.2, max_tokens=400))
+    sim.add(req("fine", now, deadline=now + 5.0, max_tokens=10))
+    outputs = sim.step()
+    failed = {o.request_id: o for o in outputs if o.finish_reason == "deadline_exceeded"}
+    assert set(failed) == {"past", "hopeless"}
+    assert "passed" in str(failed["past"].stop_reason)
+    assert "cannot finish" in str(failed["hopeless"].stop_reason)
+    stats = sim.sched.slo_stats()
+    assert stats["deadline_expired"] == 1 and stats["deadline_infeasible"] == 1
+    assert stats["deadline_wasted_tokens"] == 0  # failed before any compute
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sim.finished["fine"].status == RequestStatus.FINISHED_LENGTH
+    assert sim.sched.bm.num_free_blocks == sim.sched.bm.num_blocks
+
+
+def test_a_running_request_past_its_deadline_frees_its_blocks() -> None:
+    sim = SimEngine(targets=None)
+    sim.add(req("r", 0.0, deadline=0.05, max_tokens=1000, ignore_eos=False))  # no lower bound
+    sim.step()
+    assert sim.sched.num_running == 1 and sim.sched.bm.num_free_blocks < sim.sched.bm.num_blocks
+    while sim.now < 0.05:
+        sim.step()
+    outputs = sim.step()
+    assert [o.finish_reason for o in outputs] == ["deadline_exceeded"]
+    assert sim.sched.bm.num_free_blocks == sim.sched.bm.num_blocks
+    assert sim.sched.slo_stats()["deadline_wasted_tokens"] > 0
+
+
+# ---- the budget planner ------------------------------------------------------------------------
+def run_burst(targets: SLOTargets | None) -> SimEngine:
+    """16 long decodes start; once they run, a burst of 24 prompts of 1,024 tokens arrives."""
+    sim = SimEngine(targets)
+    rng = random.Random(0)
+    for i in range(16):
+        sim.add(req(f"steady{i}", 0.0, prompt=rng.randint(32, 96), max_tokens=120))
+    for _ in range(30):
+        sim.step()
+    for i in range(24):
+        sim.add(req(f"burst{i}", sim.now, prompt=1024, max_tokens=20))
+    while sim.sched.has_unfinished():
+        sim.step()
+    return sim
+
+
+def test_planner_keeps_tpot_inside_the_target_while_a_burst_arrives() -> None:
+    target = 0.02  # 20 ms; a decode step of 16 rows costs ~10 ms, the fixed budget's ~200 ms
+    adaptive = run_burst(SLOTargets(ttft_s=2.0, tpot_s=target))
+    fixed = run_burst(None)
+    steady = [f"steady{i}" for i in range(16)]
+    assert max(tpot(adaptive.finished[r]) for r in steady) <= target
+    assert max(tpot(fixed.finished[r]) for r in steady) > target  # what the planner prevents
+    # every burst request was still served (no starvation), and its first token came
+    burst = [adaptive.finished[f"burst{i}"] for i in range(24)]
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in burst)
+    assert adaptive.sched.planner is not None and adaptive.sched.planner.last_budget <= 2048
+
+
+def test_planner_spends_banked_time_when_ttft_is_at_risk() -> None:
+    model = StepCostModel(min_samples=4, refit_every=1)
+    for k, rows in [(0, 8), (256, 8), (512, 4), (1024, 2), (128, 16), (0, 32)]:
+        model.observe(k, rows, true_cost(k, rows))
+    assert model.ready
+    planner = BudgetPlanner(SLOTargets(ttft_s=0.5, tpot_s=0.02), 4096, model)
+    calm = planner.plan(8, min_bank_s=0.5, pending=[Pending(0.0, 64)])
+    assert not planner.ttft_risk
+    rushed = planner.plan(8, min_bank_s=0.5, pending=[Pending(0.4, 4096)])
+    assert planner.ttft_risk and rushed > calm
+    assert true_cost(calm - 8, 8) <= 0.02
+    assert true_cost(rushed - 8, 8) <= 0.02 + planner.spend * 0.5 + 1e-9
+
+
+def test_feedback_tightens_on_a_breach_and_relaxes_with_headroom() -> None:
+    planner = BudgetPlanner(SLOTargets(tpot_s=0.02), 2048, StepCostModel())
+    start = planner.margin
+    for _ in range(16):
+        planner.observe_finished(0.1, 0.03)  # TPOT P99 30 ms > 20 ms
+    tightened = planner.margin
+    assert tightened > start
+    for _ in range(64):
+        planner.observe_finished(0.1, 0.01)
+    assert planner.margin < tightened
+
+
+def test_step_cost_model_recovers_the_cost_function() -> None:
+    model = StepCostModel()
+    rng = random.Random(1)
+    for _ in range(200):
+        k, rows = rng.randint(0, 2048), rng.randint(0, 64)
+        model.observe(k, rows, true_cost(k, rows) * rng.uniform(0.98, 1.02))
+    fixed, per_token, per_row = model.coef
+    assert model.ready
+    assert abs(per_token - 1e-4) < 1e-5 and abs(per_row - 4e-4) < 1e-4 and abs(fixed - 0.004) < 1e-3
+    assert model.max_prompt_tokens(0.02, 16) == pytest.approx((0.02 - 0.004 - 16 * 4e-4) / 1e-4, rel=0.1)
+
+
+def test_targets_and_timeouts_are_validated() -> None:
+    with pytest.raises(ValueError, match="tpot_s"):
+        SLOTargets(tpot_s=0.0)
+    with pytest.raises(ValueError, match="target_ttft_ms"):
+        EngineConfig(target_ttft_ms=-5)
+    with pytest.raises(ValueError, match="edf_slack_s"):
+        EngineConfig(edf_slack_s=0)
+    assert EngineConfig(target_tpot_ms=30).target_tpot_ms == 30
