@@ -239,3 +239,25 @@ def test_targets_and_timeouts_are_validated() -> None:
     with pytest.raises(ValueError, match="edf_slack_s"):
         EngineConfig(edf_slack_s=0)
     assert EngineConfig(target_tpot_ms=30).target_tpot_ms == 30
+
+
+def test_without_deadline_scheduling_deadlines_only_count_waste() -> None:
+    """The A/B baseline: no EDF, no early failure; an abort past the deadline counts as waste."""
+    sim = SimEngine(targets=None)
+    sim.sched = Scheduler(
+        BlockManager(512, 16, enable_prefix_caching=False),
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        deadline_scheduling=False,
+        clock=lambda: sim.now,
+    )
+    sim.add(req("plain", 0.0))
+    sim.add(req("urgent", 0.0, deadline=0.001, max_tokens=50))
+    assert [r.request_id for r in sim.sched.waiting] == ["plain", "urgent"]  # arrival order
+    for _ in range(3):
+        assert not [o for o in sim.step() if o.finish_reason == "deadline_exceeded"]
+    assert sim.now > 0.001 and sim.sched.num_running == 2
+    sim.sched.finish_requests(["urgent"], RequestStatus.FINISHED_ABORTED)  # the frontend's timer
+    stats = sim.sched.slo_stats()
+    assert stats["deadline_expired"] == 0 and stats["deadline_wasted_tokens"] > 0

@@ -31,9 +31,10 @@ class EngineConfig:
     ``aging_interval_s``: a waiting request gains one priority level per this many seconds
     waited (priority policy only), which bounds starvation (see core/request_queue.py).
     Requests with a deadline are served earliest-deadline-first within a priority level; one
-    without is ordered as if due ``edf_slack_s`` after its arrival. ``target_ttft_ms`` /
-    ``target_tpot_ms`` (P99 targets) make the per-step token budget adaptive (core/slo.py);
-    without them it is ``max_num_batched_tokens``.
+    without is ordered as if due ``edf_slack_s`` after its arrival; ``deadline_scheduling=False``
+    leaves deadlines to the frontend's timer (no EDF, no early failure: the A/B baseline).
+    ``target_ttft_ms`` / ``target_tpot_ms`` (P99 targets) make the per-step token budget
+    adaptive (core/slo.py); without them it is ``max_num_batched_tokens``.
     ``kernel_backend``: "auto" (the C++ CPU kernels when they built, else PyTorch), "torch"
     (the reference) or "cpu". A/B switches of the CPU kernels: ``bf16_gemm`` ("panel": our
     AVX512-BF16 GEMM; "onednn"), ``fused_prefill`` (bfloat16 prompt rows through the row
@@ -64,6 +65,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     aging_interval_s: float = 5.0
     edf_slack_s: float = 30.0
+    deadline_scheduling: bool = True
     target_ttft_ms: float | None = None
     target_tpot_ms: float | None = None
     num_threads: int | None = None

@@ -19,6 +19,7 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     priority: int = 0
+    timeout: float | None = None  # seconds, sent as the request's ``timeout``
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -26,7 +27,11 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def _length(spec: str, rng: random.Random) -> int:
-    """'128' or a range '64-256' (uniform)."""
+    """'128', a range '64-256' (uniform), or a weighted mix '64:0.8,1024:0.2' of either."""
+    if ":" in spec:
+        parts = [part.split(":") for part in spec.split(",")]
+        lengths, weights = [p[0] for p in parts], [float(p[1]) for p in parts]
+        return _length(rng.choices(lengths, weights)[0], rng)
     if "-" in spec:
         lo, hi = (int(x) for x in spec.split("-", 1))
         return rng.randint(lo, hi)
@@ -110,5 +115,19 @@ def assign_priorities(
             if x < acc:
                 prio = p
                 break
-        out.append(BenchRequest(r.prompt, r.prompt_len, r.output_len, prio))
+        out.append(BenchRequest(r.prompt, r.prompt_len, r.output_len, prio, r.timeout))
     return out
+
+
+def assign_timeouts(requests: list[BenchRequest], spec: str | None, seed: int) -> list[BenchRequest]:
+    """``FRACTION:SECONDS``: that share of requests (drawn with the seed) carry that timeout."""
+    if not spec:
+        return requests
+    fraction, seconds = (float(x) for x in spec.split(":"))
+    rng = random.Random(seed + 2)
+    return [
+        BenchRequest(r.prompt, r.prompt_len, r.output_len, r.priority, seconds)
+        if rng.random() < fraction
+        else r
+        for r in requests
+    ]

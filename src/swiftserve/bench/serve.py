@@ -20,6 +20,7 @@ import httpx
 from swiftserve.bench.datasets import (
     BenchRequest,
     assign_priorities,
+    assign_timeouts,
     jsonl_dataset,
     parse_priority_mix,
     random_dataset,
@@ -41,7 +42,8 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
         )
     else:
         reqs = jsonl_dataset(args.dataset_path, n, int(args.output_len))
-    return assign_priorities(reqs, parse_priority_mix(args.priority_mix), seed)
+    reqs = assign_priorities(reqs, parse_priority_mix(args.priority_mix), seed)
+    return assign_timeouts(reqs, args.timeout_mix, seed)
 
 
 def intervals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -66,7 +68,11 @@ async def one_request(
     }
     if args.priority_mix:
         body["priority"] = req.priority
-    result = RequestResult(priority=req.priority, ok=False, status=0, prompt_tokens=req.prompt_len)
+    if req.timeout is not None:
+        body["timeout"] = req.timeout
+    result = RequestResult(
+        priority=req.priority, ok=False, status=0, prompt_tokens=req.prompt_len, timed=req.timeout is not None
+    )
     start = time.perf_counter()
     result.start = start
     last: float | None = None
@@ -127,6 +133,7 @@ async def run_rate(
             progress()
             return res
 
+        before = await _server_counters(client)
         tasks = []
         start = time.perf_counter()
         for req, gap in zip(reqs, intervals(len(reqs), rate, args.burstiness, args.bench_seed), strict=True):
@@ -134,13 +141,49 @@ async def run_rate(
             tasks.append(asyncio.create_task(guarded(req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        after = await _server_counters(client)
     slo = parse_slo(args.slo)
     report = {"request_rate": rate, "duration_s": duration, **summarize(results, duration, slo)}
+    report["deadlines"] = _deadline_report(results, before, after)
     classes = sorted({r.priority for r in results})
     report["by_priority"] = {
         str(p): summarize([r for r in results if r.priority == p], duration, slo) for p in classes
     }
     report["_results"] = results
+    return report
+
+
+_COUNTERS = ("swiftserve:computed_tokens_total", "swiftserve:deadline_wasted_tokens_total")
+
+
+async def _server_counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """swiftserve's compute counters from /metrics (empty for servers that have none)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _COUNTERS:
+            out[name] = float(value)
+    return out
+
+
+def _deadline_report(
+    results: list[RequestResult], before: dict[str, float], after: dict[str, float]
+) -> dict[str, Any]:
+    """Share of requests with a timeout that succeeded, and compute spent on failed ones."""
+    timed = [r for r in results if r.timed]
+    report: dict[str, Any] = {"timed_requests": len(timed)}
+    if timed:
+        report["timed_ok"] = sum(r.ok for r in timed)
+        report["timed_ok_share"] = report["timed_ok"] / len(timed)
+    if all(name in after and name in before for name in _COUNTERS):
+        computed = after[_COUNTERS[0]] - before[_COUNTERS[0]]
+        wasted = after[_COUNTERS[1]] - before[_COUNTERS[1]]
+        report["computed_tokens"], report["wasted_tokens"] = computed, wasted
+        report["wasted_share"] = wasted / computed if computed else 0.0
     return report
 
 
@@ -182,7 +225,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dataset-path", default=None, help="JSONL file for --dataset jsonl")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", default="128", help="N or LO-HI")
+    parser.add_argument(
+        "--input-len", default="128", help="N, LO-HI, or a mix N:W,N:W (e.g. 64:0.8,1024:0.2)"
+    )
     parser.add_argument("--output-len", default="128", help="N or LO-HI")
     parser.add_argument("--mean-input-len", type=float, default=200)
     parser.add_argument("--mean-output-len", type=float, default=100)
@@ -194,6 +239,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--priority-mix", default=None, help="fraction:priority,... e.g. 0.2:0,0.8:5")
+    parser.add_argument(
+        "--timeout-mix", default=None, help="FRACTION:SECONDS, e.g. 0.2:3 (that share carries a timeout)"
+    )
     parser.add_argument("--slo", default=None, help="e.g. ttft:500,tpot:50 (ms) for goodput")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument(

@@ -49,7 +49,20 @@ def print_table(reports: list[dict[str, Any]], title: str) -> None:
                 f"{r['e2el_ms']['p99']:.0f}",
                 f"{r['goodput']:.2f}" if "goodput" in r else "-",
             )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for rep in reports:
+        d = rep.get("deadlines", {})
+        parts = []
+        if d.get("timed_requests"):
+            parts.append(f"with a timeout: {d['timed_ok']}/{d['timed_requests']} succeeded")
+        if "wasted_share" in d:
+            parts.append(
+                f"compute on requests that failed their deadline: {d['wasted_tokens']:.0f} of "
+                f"{d['computed_tokens']:.0f} tokens ({100 * d['wasted_share']:.1f}%)"
+            )
+        if parts:
+            console.print(f"rate {rep['request_rate']:g}: " + "; ".join(parts))
 
 
 def save_plots(reports: list[dict[str, Any]], out_dir: str) -> list[Path]:

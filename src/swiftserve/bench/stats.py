@@ -19,6 +19,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    timed: bool = False  # carried a timeout (deadline)
 
     @property
     def tpot(self) -> float | None:

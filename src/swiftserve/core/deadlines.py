@@ -21,8 +21,9 @@ from swiftserve.core.step_cost import StepCostModel
 class DeadlineKeeper:
     """Finds the requests to end for their deadline (the scheduler ends them)."""
 
-    def __init__(self, cost: StepCostModel):
+    def __init__(self, cost: StepCostModel, enabled: bool = True):
         self.cost = cost
+        self.enabled = enabled  # False: deadlines are only accounted (the A/B baseline)
         self._failed: list[Request] = []
         self.num_expired = 0  # deadline already passed
         self.num_infeasible = 0  # failed early: could not make it
@@ -30,6 +31,8 @@ class DeadlineKeeper:
 
     def due(self, now: float, running: list[Request], waiting: Iterable[Request]) -> list[Request]:
         """Requests to end now, in the order found (running first, then waiting)."""
+        if not self.enabled:
+            return []
         waiting = list(waiting)
         if not any(r.deadline is not None for r in running) and not any(
             r.deadline is not None for r in waiting
@@ -67,6 +70,12 @@ class DeadlineKeeper:
             return
         self.wasted_tokens += request.num_computed_tokens
         out.append(request)
+
+    def note_aborted(self, request: Request, now: float) -> None:
+        """An abort from outside (the frontend's own timer): past the deadline, its compute
+        was wasted too. Counted in both modes, so A/B runs compare like with like."""
+        if request.deadline is not None and now >= request.deadline:
+            self.wasted_tokens += request.num_computed_tokens
 
     def take_failed(self) -> list[Request]:
         """The requests ended since the last call (their outputs go to the frontend)."""

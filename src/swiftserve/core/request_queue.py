@@ -55,20 +55,21 @@ class FCFSQueue:
     front); those with one in a heap by deadline; ``peek`` takes the earlier due time.
     """
 
-    def __init__(self, slack_s: float = float("inf")) -> None:
+    def __init__(self, slack_s: float = float("inf"), edf: bool = True) -> None:
         self.slack_s = slack_s
+        self.edf = edf  # False: deadlines do not reorder (plain FCFS, the A/B baseline)
         self._queue: deque[Request] = deque()
         self._edf: list[tuple[float, int, Request]] = []
         self._counter = itertools.count()
 
     def add(self, request: Request) -> None:
-        if request.deadline is None:
+        if request.deadline is None or not self.edf:
             self._queue.append(request)
         else:
             heapq.heappush(self._edf, (request.deadline, next(self._counter), request))
 
     def prepend(self, request: Request) -> None:
-        if request.deadline is None:
+        if request.deadline is None or not self.edf:
             self._queue.appendleft(request)
         else:
             self.add(request)
@@ -87,7 +88,7 @@ class FCFSQueue:
         return request
 
     def remove(self, request: Request) -> None:
-        if request.deadline is None:
+        if request.deadline is None or not self.edf:
             self._queue.remove(request)
             return
         for i, entry in enumerate(self._edf):
@@ -117,10 +118,13 @@ class FCFSQueue:
 class PriorityQueue:
     """Lowest effective priority first (see the module docstring for the aging rule)."""
 
-    def __init__(self, aging_interval_s: float = 5.0, slack_s: float = float("inf")) -> None:
+    def __init__(
+        self, aging_interval_s: float = 5.0, slack_s: float = float("inf"), edf: bool = True
+    ) -> None:
         if aging_interval_s <= 0:
             raise ValueError(f"aging_interval_s must be > 0, got {aging_interval_s}")
         self.aging_interval_s = aging_interval_s
+        self.edf = edf
         # inf would make every request without a deadline tie: keep arrival order among them
         self.slack_s = slack_s if slack_s != float("inf") else 1e9
         self._heap: list[tuple[float, float, int, Request]] = []
@@ -129,7 +133,7 @@ class PriorityQueue:
         self._size = 0
 
     def sort_key(self, request: Request) -> tuple[float, float]:
-        due = request.due_time(self.slack_s)
+        due = request.due_time(self.slack_s) if self.edf else request.arrival_time + self.slack_s
         return (request.priority + due / self.aging_interval_s, due)
 
     def add(self, request: Request) -> None:
@@ -172,11 +176,11 @@ class PriorityQueue:
 
 
 def make_queue(
-    policy: str, aging_interval_s: float = 5.0, slack_s: float = float("inf")
+    policy: str, aging_interval_s: float = 5.0, slack_s: float = float("inf"), edf: bool = True
 ) -> FCFSQueue | PriorityQueue:
     """The waiting queue for a scheduling policy name ("fcfs" or "priority")."""
     if policy == "fcfs":
-        return FCFSQueue(slack_s)
+        return FCFSQueue(slack_s, edf)
     if policy == "priority":
-        return PriorityQueue(aging_interval_s, slack_s)
+        return PriorityQueue(aging_interval_s, slack_s, edf)
     raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")

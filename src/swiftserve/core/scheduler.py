@@ -59,6 +59,7 @@ class Scheduler:
         policy: str = "fcfs",
         aging_interval_s: float = 5.0,
         edf_slack_s: float = float("inf"),
+        deadline_scheduling: bool = True,
         targets: SLOTargets | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -69,14 +70,15 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
         self.policy = policy
-        self.waiting = make_queue(policy, aging_interval_s, edf_slack_s)
+        self.waiting = make_queue(policy, aging_interval_s, edf_slack_s, deadline_scheduling)
         self.running: list[Request] = []
         self.cost = StepCostModel()
         self.targets = targets or SLOTargets()
         self.planner = (
             BudgetPlanner(self.targets, max_num_batched_tokens, self.cost) if self.targets.any else None
         )
-        self.deadlines = DeadlineKeeper(self.cost)
+        self.deadlines = DeadlineKeeper(self.cost, deadline_scheduling)
+        self.computed_tokens = 0  # every token scheduled so far (the denominator of waste)
         self._step_budget = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -110,6 +112,8 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+            if status == RequestStatus.FINISHED_ABORTED:
+                self.deadlines.note_aborted(request, self.clock())
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -220,6 +224,7 @@ class Scheduler:
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """The measured wall time of a step: feeds the step-cost model."""
         rows = sum(1 for item in sched.scheduled if len(item.token_ids) == 1)
+        self.computed_tokens += sched.num_batched_tokens
         if sched.scheduled:
             self.cost.observe(sched.num_batched_tokens - rows, rows, seconds)
 
@@ -353,7 +358,11 @@ class Scheduler:
     # ---- introspection -------------------------------------------------------------------
     def slo_stats(self) -> dict[str, float]:
         """Deadline counters and the budget planner's state (for /metrics)."""
-        stats: dict[str, float] = {"step_budget": float(self._step_budget), **self.deadlines.stats()}
+        stats: dict[str, float] = {
+            "step_budget": float(self._step_budget),
+            "computed_tokens": float(self.computed_tokens),
+            **self.deadlines.stats(),
+        }
         if self.planner is not None:
             stats.update(self.planner.stats())
         return stats

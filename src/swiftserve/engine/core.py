@@ -43,6 +43,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             aging_interval_s=config.aging_interval_s,
             edf_slack_s=config.edf_slack_s,
+            deadline_scheduling=config.deadline_scheduling,
             targets=SLOTargets(
                 config.target_ttft_ms / 1000 if config.target_ttft_ms else None,
                 config.target_tpot_ms / 1000 if config.target_tpot_ms else None,

@@ -76,6 +76,9 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self.computed_tokens = Gauge(
+            "swiftserve:computed_tokens_total", "Tokens the engine has computed", registry=r
+        )
         self.deadline_wasted = Gauge(
             "swiftserve:deadline_wasted_tokens_total",
             "Tokens computed for requests that then ended for their deadline",
@@ -132,6 +135,7 @@ class ServerMetrics:
             self.deadline_failed.labels(reason="expired").set(stats["deadline_expired"])
             self.deadline_failed.labels(reason="infeasible").set(stats["deadline_infeasible"])
             self.deadline_wasted.set(stats["deadline_wasted_tokens"])
+            self.computed_tokens.set(stats["computed_tokens"])
         if "frontend_requests" in stats:
             self.frontend_requests.set(stats["frontend_requests"])
         if embedding is not None:
