@@ -71,3 +71,15 @@ def test_bench_latency_smoke(llama_dir: Path, tmp_path: Path) -> None:
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["tpot_ms"]["mean"] > 0 and report["ttft_ms"]["p50"] > 0
+
+
+def test_length_mixes_and_timeout_mix() -> None:
+    from swiftserve.bench.datasets import assign_timeouts, random_dataset
+
+    reqs = random_dataset(400, "64:0.75,1024:0.25", "8", 1000, seed=0)
+    lengths = [r.prompt_len for r in reqs]
+    assert set(lengths) == {64, 1024} and 0.6 < lengths.count(64) / len(lengths) < 0.9
+    timed = assign_timeouts(reqs, "0.2:3", seed=0)
+    share = sum(r.timeout == 3.0 for r in timed) / len(timed)
+    assert 0.1 < share < 0.3 and all(r.timeout in (None, 3.0) for r in timed)
+    assert assign_timeouts(reqs, None, seed=0) is reqs
