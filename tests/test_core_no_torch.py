@@ -6,18 +6,38 @@ import sys
 from pathlib import Path
 
 
-def test_core_imports_no_torch() -> None:
+def assert_import_stays_light(*modules: str) -> None:
+    """Importing ``modules`` in a fresh interpreter loads neither torch, transformers nor numpy."""
     code = (
         "import sys\n"
-        "import swiftserve.core.scheduler, swiftserve.core.block_manager\n"
-        "import swiftserve.core.request_queue\n"
-        "import swiftserve.sampling_params, swiftserve.config\n"
-        "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_core_imports_no_torch() -> None:
+    assert_import_stays_light(
+        "swiftserve.core.scheduler",
+        "swiftserve.core.block_manager",
+        "swiftserve.core.request_queue",
+        "swiftserve.sampling_params",
+        "swiftserve.config",
+    )
+
+
+def test_serving_frontend_imports_neither_torch_nor_transformers() -> None:
+    """The server process never loads torch (the engine process does) nor transformers."""
+    assert_import_stays_light(
+        "swiftserve.cli",
+        "swiftserve.server.launcher",
+        "swiftserve.server.app",
+        "swiftserve.engine.async_llm",
+        "swiftserve.server.draining",
+    )
 
 
 # ---- the layering of DESIGN.md, checked on the import statements themselves ----------------------
