@@ -28,15 +28,16 @@ class DeadlineKeeper:
         self.num_expired = 0  # deadline already passed
         self.num_infeasible = 0  # failed early: could not make it
         self.wasted_tokens = 0  # tokens computed for requests that ended this way
+        self.live = 0  # live requests with a deadline: with none, a step pays nothing here
+
+    def track(self, request: Request, delta: int) -> None:
+        """The scheduler reports each request with a deadline as it enters (+1) and ends (-1)."""
+        if request.deadline is not None:
+            self.live += delta
 
     def due(self, now: float, running: list[Request], waiting: Iterable[Request]) -> list[Request]:
         """Requests to end now, in the order found (running first, then waiting)."""
-        if not self.enabled:
-            return []
-        waiting = list(waiting)
-        if not any(r.deadline is not None for r in running) and not any(
-            r.deadline is not None for r in waiting
-        ):
+        if not self.enabled or self.live == 0:
             return []
         ready = self.cost.ready
         per_token = self.cost.coef[1]

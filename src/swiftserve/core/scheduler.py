@@ -92,6 +92,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.check_fits(request.request_id, request.num_prompt_tokens + request.max_tokens)
         self.requests[request.request_id] = request
+        self.deadlines.track(request, +1)
         self._new_ids.add(request.request_id)
         self.waiting.add(request)
 
@@ -126,6 +127,7 @@ class Scheduler:
             self.planner.observe_finished(*_latencies(request))
         self.bm.free(request)
         del self.requests[request.request_id]
+        self.deadlines.track(request, -1)
         self._new_ids.discard(request.request_id)
         self._finished_ids.add(request.request_id)
 
