@@ -29,7 +29,7 @@ class DecodeGraphs:
         self.sizes = tuple(sorted(sizes))
         self.max_batch = self.sizes[-1]
         self.max_blocks = max_blocks
-        device = model.lm_head.weight.device
+        device = model.model.embed_tokens.weight.device
         b = self.max_batch
         # ids, positions, slots, then the [b, max_blocks] table, in one buffer: one copy a step
         self._host = torch.zeros(3 * b + b * max_blocks, dtype=torch.int64, pin_memory=True)

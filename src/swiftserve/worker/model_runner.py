@@ -51,7 +51,8 @@ class ModelRunner:
         self.block_size = block_size
         self.window = cfg.sliding_window
         dtype = model.dtype
-        self.device = device = model.lm_head.weight.device
+        # the embedding, not lm_head: packing may replace lm_head (tied or not) with a weightless module
+        self.device = device = model.model.embed_tokens.weight.device
         self.cuda = device.type == "cuda"
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # see model/attention.py
         # all zeros (padded gathers read unused slots), without a zero-fill pass on the CPU

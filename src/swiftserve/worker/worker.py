@@ -73,7 +73,7 @@ def profile_peak_memory(model: Any, ops: Any, num_tokens: int, block_size: int) 
 
     The rows attend through a scratch KV cache of just enough blocks; it is freed after.
     """
-    cfg, device = model.config, model.lm_head.weight.device
+    cfg, device = model.config, model.model.embed_tokens.weight.device
     blocks = -(-num_tokens // block_size)
     shape = (cfg.num_kv_heads, blocks, block_size, cfg.head_dim)
     kv = [(torch.zeros(shape, dtype=model.dtype, device=device),) * 2 for _ in range(cfg.num_layers)]
