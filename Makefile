@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve lint bench-smoke clean
+.PHONY: install test serve lint bench-smoke clean browser screenshots
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -26,6 +26,20 @@ test: install
 lint: install
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+
+# Debian's Chromium for the web-page test (tests/test_web_ui.py skips without it, unless
+# SWIFTSERVE_REQUIRE_BROWSER=1). Playwright drives it; it never downloads a browser of its own.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y -q chromium >/dev/null || \
+		{ $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium >/dev/null; }; }
+	@chromium --version 2>/dev/null
+
+# Both views of the web page as PNG, taken by the browser test with some load on the server.
+screenshots: install browser
+	SWIFTSERVE_SCREENSHOTS=docs/screenshots SWIFTSERVE_REQUIRE_BROWSER=1 \
+		$(BIN)/python -m pytest tests/test_web_ui.py -k chat_streams
 
 serve: install
 	$(BIN)/swiftserve serve

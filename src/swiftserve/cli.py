@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 from swiftserve.cli_args import add_engine_args, add_server_args, engine_kwargs, server_settings
 
@@ -82,56 +83,27 @@ def _bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_serve(args: argparse.Namespace) -> int:
-    from swiftserve.bench import serve
+def _bench_entry(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A handler that imports ``swiftserve.bench.<module>`` only when run, then calls ``function``."""
 
-    serve.main(args)
-    return 0
+    def run(args: argparse.Namespace) -> int:
+        getattr(importlib.import_module(f"swiftserve.bench.{module}"), function)(args)
+        return 0
 
-
-def _bench_reliability(args: argparse.Namespace) -> int:
-    from swiftserve.bench import reliability
-
-    reliability.run(args)
-    return 0
+    return run
 
 
-def _bench_batcher(args: argparse.Namespace) -> int:
-    from swiftserve.bench import batching
-
-    batching.run(args)
-    return 0
-
-
-def _bench_startup(args: argparse.Namespace) -> int:
-    from swiftserve.bench import startup
-
-    startup.run(args)
-    return 0
-
-
-def _bench_quant(args: argparse.Namespace) -> int:
-    from swiftserve.bench import quant
-
-    quant.run(args)
-    return 0
-
-
-# (subcommand, module in swiftserve.bench with add_args(parser), help, handler, engine flags?)
-_BENCHES = [
+# (subcommand, module in swiftserve.bench with add_args(parser), help,
+#  handler or the name of the module's function that takes the parsed args, engine flags?)
+_BENCHES: list[tuple[str, str, str, Callable[[argparse.Namespace], int] | str, bool]] = [
     ("throughput", "throughput", "offline throughput, ours or transformers", _bench, True),
     ("latency", "latency", "single request in process: TTFT and TPOT over repeats", _bench_latency, True),
-    ("serve", "serve", "load generator against an OpenAI-compatible server", _bench_serve, False),
-    (
-        "reliability",
-        "reliability",
-        "overload, cancellation, death and loop-lag figures",
-        _bench_reliability,
-        False,
-    ),
-    ("batcher", "batching", "adaptive vs fixed batching windows on a bursty trace", _bench_batcher, False),
-    ("quant", "quant", "float32 / bfloat16 / INT8 / INT4: memory, perplexity, speed", _bench_quant, False),
-    ("startup", "startup", "cold start: serve to healthy / first token, LLM(...)", _bench_startup, False),
+    ("serve", "serve", "load generator against an OpenAI-compatible server", "main", False),
+    ("reliability", "reliability", "overload, cancellation, death and loop-lag figures", "run", False),
+    ("batcher", "batching", "adaptive vs fixed batching windows on a bursty trace", "run", False),
+    ("quant", "quant", "float32 / bfloat16 / INT8 / INT4: memory, perplexity, speed", "run", False),
+    ("startup", "startup", "cold start: serve to healthy / first token, LLM(...)", "run", False),
+    ("dashboard", "dashboard", "serving latency with the dashboard open vs closed", "main", False),
 ]
 
 
@@ -201,7 +173,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         if engine_flags:
             add_engine_args(parser_)
         importlib.import_module(f"swiftserve.bench.{module}").add_args(parser_)
-        parser_.set_defaults(func=func)
+        parser_.set_defaults(func=_bench_entry(module, func) if isinstance(func, str) else func)
     return parser
 
 

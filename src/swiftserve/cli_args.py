@@ -60,7 +60,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         elif kind.startswith("tuple"):
             parser.add_argument(flag, type=_comma_list, default=None, metavar="A,B,...")
         elif "bool" in kind:
-            parser.add_argument(flag, type=_parse_bool, default=None, metavar="BOOL")
+            # ``--flag`` alone means true (vLLM's store_true flags); ``--flag false`` still works.
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL")
         elif "int" in kind:
             parser.add_argument(flag, type=int, default=None)
         elif "float" in kind:

@@ -79,6 +79,8 @@ class Scheduler:
         )
         self.deadlines = DeadlineKeeper(self.cost, deadline_scheduling)
         self.computed_tokens = 0  # every token scheduled so far (the denominator of waste)
+        self.num_steps = 0  # steps that ran a forward, and the rows they held (mean batch size)
+        self.scheduled_rows = 0
         self._step_budget = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -228,6 +230,8 @@ class Scheduler:
         rows = sum(1 for item in sched.scheduled if len(item.token_ids) == 1)
         self.computed_tokens += sched.num_batched_tokens
         if sched.scheduled:
+            self.num_steps += 1
+            self.scheduled_rows += len(sched.scheduled)
             self.cost.observe(sched.num_batched_tokens - rows, rows, seconds)
 
     def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
@@ -363,6 +367,8 @@ class Scheduler:
         stats: dict[str, float] = {
             "step_budget": float(self._step_budget),
             "computed_tokens": float(self.computed_tokens),
+            "num_steps": float(self.num_steps),
+            "scheduled_rows": float(self.scheduled_rows),
             **self.deadlines.stats(),
         }
         if self.planner is not None:

@@ -25,6 +25,7 @@ from swiftserve.server.metrics import ServerMetrics
 from swiftserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from swiftserve.server.serving import OpenAIServing, to_api_error
 from swiftserve.server.settings import ServerSettings
+from swiftserve.server.web_ui import add_web_routes, public_paths, sampling
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class GuardMiddleware:
         self.app = app
         self.settings = settings
         self.allowed_hosts = {h.lower() for h in settings.allowed_hosts or ()}
+        self.public_paths = public_paths(not settings.disable_web_ui)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,7 +86,7 @@ class GuardMiddleware:
         if self.allowed_hosts and not self._host_allowed(headers):
             return APIError(403, "Host or Origin not allowed.", code="host_not_allowed")
         key = self.settings.api_key
-        if key and scope["path"] != "/health":
+        if key and scope["path"] not in self.public_paths:
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return APIError(
@@ -139,13 +141,21 @@ def create_app(
     serving = OpenAIServing(engine, settings, metrics)
     embed_name = embedding_model_name or settings.served_model_name or "swiftserve-embeddings"
 
+    def read_stats() -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        return (
+            engine.stats() if engine is not None else {},
+            embedder.engine.stats() if embedder is not None else None,
+            serving.in_flight,
+        )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
         if engine is not None:
             await engine.start()
         if embedder is not None:
             await embedder.start()
-        yield
+        async with sampling(metrics.live, read_stats):
+            yield
         if embedder is not None:
             await embedder.stop()
         if engine is not None:
@@ -158,6 +168,14 @@ def create_app(
     _add_error_handlers(app)
     _add_info_routes(app, engine, embedder, serving, settings, embed_name)
     _add_generation_routes(app, engine, serving)
+
+    def describe() -> dict[str, Any]:
+        return {
+            "model": settings.served_model_name if engine is not None else None,
+            "embedding_model": embed_name if embedder is not None else None,
+        }
+
+    add_web_routes(app, metrics.live, describe, web_ui=not settings.disable_web_ui)
     return app
 
 

@@ -74,7 +74,8 @@ def run_server(settings: ServerSettings, engine_options: dict[str, Any]) -> int:
     auth = f' -H "Authorization: Bearer {settings.api_key}"' if settings.api_key else ""
     print(
         f"\nswiftserve: serving {settings.served_model_name} at {url}/v1\n"
-        f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        + ("" if settings.disable_web_ui else f"chat page and live dashboard: {url}/\n")
+        + f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
         f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\'\n',
         flush=True,
     )

@@ -7,6 +7,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from swiftserve.outputs import RequestMetrics
+from swiftserve.server.live_stats import LiveStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -17,6 +18,9 @@ class ServerMetrics:
     def __init__(self, target_ttft_s: float | None = None, target_tpot_s: float | None = None) -> None:
         self.target_ttft_s = target_ttft_s
         self.target_tpot_s = target_tpot_s
+        targets = {"ttft": target_ttft_s, "tpot": target_tpot_s}
+        # The dashboard's view of the same instruments (GET /v1/stats).
+        self.live = LiveStats(targets_ms={k: v * 1000 for k, v in targets.items() if v is not None})
         r = self.registry = CollectorRegistry()
         self.running = Gauge("swiftserve:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("swiftserve:num_requests_waiting", "Requests waiting to run", registry=r)
@@ -96,27 +100,33 @@ class ServerMetrics:
         self.generation_tokens.inc(completion_tokens)
         for reason in reasons:
             self.success.labels(finished_reason=reason).inc()
+        ok = all(reason in ("stop", "length") for reason in reasons)
         if metrics is None:
+            self.live.observe_request(None, None, None, completion_tokens, ok)
             return
-        if metrics.first_token_time is not None:
-            self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        first, done = metrics.first_token_time, metrics.finished_time
+        ttft = None if first is None else first - metrics.arrival_time
+        e2e = None if done is None else done - metrics.arrival_time
+        if ttft is not None:
+            self.ttft.observe(ttft)
         if metrics.first_scheduled_time is not None:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
-        if metrics.finished_time is not None:
-            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        if e2e is not None:
+            self.e2e.observe(e2e)
+        self.live.observe_request(ttft, _tpot(metrics, completion_tokens), e2e, completion_tokens, ok)
         self._observe_slo(metrics, completion_tokens)
 
     def _observe_slo(self, metrics: RequestMetrics, completion_tokens: int) -> None:
         if self.target_ttft_s is None and self.target_tpot_s is None:
             return
-        first, done = metrics.first_token_time, metrics.finished_time
+        first = metrics.first_token_time
         met = []
         if self.target_ttft_s is not None:
             ok = first is not None and first - metrics.arrival_time <= self.target_ttft_s
             self.slo.labels(slo="ttft", met=str(ok).lower()).inc()
             met.append(ok)
-        if self.target_tpot_s is not None and first is not None and done is not None:
-            tpot = (done - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
+        tpot = _tpot(metrics, completion_tokens)
+        if self.target_tpot_s is not None and tpot is not None:
             ok = tpot <= self.target_tpot_s
             self.slo.labels(slo="tpot", met=str(ok).lower()).inc()
             met.append(ok)
@@ -146,3 +156,11 @@ class ServerMetrics:
             self.embed_latency_p99.set(embedding["latency_ms"][99] / 1000)
             self.embed_window.set(embedding["current_window_ms"] / 1000)
         return generate_latest(self.registry)
+
+
+def _tpot(metrics: RequestMetrics, completion_tokens: int) -> float | None:
+    """Mean time per output token after the first (0 for a one-token answer; None if unknown)."""
+    first, done = metrics.first_token_time, metrics.finished_time
+    if first is None or done is None:
+        return None
+    return (done - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0

@@ -23,7 +23,8 @@ class ServerSettings:
     a client has to send its request headers / body (408 after; 0 = no limit);
     ``keep_alive_timeout``: idle seconds between requests on one connection.
     ``allowed_hosts``: when set, the Host header (and Origin, when sent) must name one of
-    these hosts (a DNS-rebinding guard); 403 otherwise.
+    these hosts (a DNS-rebinding guard); 403 otherwise. ``disable_web_ui``: no chat page or
+    dashboard at ``/`` (the ``/v1/stats`` data endpoint stays, behind the API key like the rest).
     """
 
     served_model_name: str | None = None
@@ -46,6 +47,7 @@ class ServerSettings:
     embedding_model_name: str | None = None
     engine_mode: str = "process"
     log_level: str = "info"
+    disable_web_ui: bool = False
 
     def __post_init__(self) -> None:
         own = "ServerSettings"
