@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,21 @@ def _background_load(url: str, n: int) -> threading.Thread:
     return thread
 
 
+def _paced_load(url: str, seconds: float, rate: float) -> None:
+    """Requests at a steady rate sharing a long prefix (so the prefix cache has hits to show)."""
+    prefix = "import os\nimport sys\n\n\ndef main(argv):\n    parser = make_parser()\n" * 6
+    threads = []
+    for i in range(int(seconds * rate)):
+        body = {"prompt": f"{prefix}# step {i}\n", "max_tokens": 96, "ignore_eos": True}
+        t = threading.Thread(target=lambda b=body: httpx.post(f"{url}/v1/completions", json=b, timeout=120))
+        t.start()
+        threads.append(t)
+        time.sleep(1 / rate)
+    for t in threads:
+        t.join()
+    time.sleep(2)
+
+
 def test_chat_streams_and_dashboard_updates(browser: Any, server: Server) -> None:
     page = _page(browser, f"{server.url}/")
     page.wait_for_function("() => document.querySelectorAll('#model option').length > 0")
@@ -138,6 +154,8 @@ def test_chat_streams_and_dashboard_updates(browser: Any, server: Server) -> Non
     page.wait_for_function("() => Number(document.getElementById('stat-finished').textContent) >= 7")
     assert int(page.get_attribute("#chart-ttft", "data-points") or 0) > 0  # P50/P99 lines drawn
     assert int(page.get_attribute("#chart-batch", "data-points") or 0) > 0
+    if os.environ.get("SWIFTSERVE_SCREENSHOTS"):  # something worth looking at: 20 s of load
+        _paced_load(server.url, seconds=20, rate=12)
     _screenshot(page, "dashboard.png")
     page.close()
 
@@ -153,7 +171,34 @@ def test_page_shows_server_errors(browser: Any, server: Server) -> None:
     assert banner.startswith("Error 400:") and "max_tokens" in banner, banner
     assert "Error 400" in page.inner_text(".message.failed .meta")
     assert page.is_enabled("#send")  # no stuck spinner: the page is ready for the next message
+
+    page.fill("#max-tokens", "200")
+    page.fill("#timeout", "0.001")  # cannot finish in time: the stream ends with a timeout error
+    page.fill("#chat-input", "hello again")
+    page.click("#send")
+    page.wait_for_function("() => document.getElementById('banner').textContent.startsWith('Error 408')")
+    assert "timeout" in page.inner_text("#banner")
+    assert page.locator(".message.failed").count() == 2 and page.is_enabled("#send")
     page.close()
+
+
+def test_page_shows_overload_503(browser: Any, tmp_path: Path) -> None:
+    slow = {"SWIFTSERVE_INJECT_STEP_DELAY_S": "0.05"}  # keeps the one slot busy for seconds
+    args = ("--max-model-len", "512", "--max-num-seqs", "1", "--max-queued-requests", "0")
+    with running_server(None, *args, env=slow, log_dir=tmp_path) as s:
+        page = _page(browser, f"{s.url}/#chat")
+        page.wait_for_function("() => document.querySelectorAll('#model option').length > 0")
+        busy = _background_load(s.url, 1)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{s.url}/metrics").text.find("swiftserve:sequences_in_flight 1.0") < 0:
+            assert time.monotonic() < deadline, "the background request never started"
+            time.sleep(0.05)
+        page.fill("#chat-input", "are you busy?")
+        page.click("#send")
+        page.wait_for_selector("#banner:not([hidden])")
+        assert page.inner_text("#banner").startswith("Error 503:"), page.inner_text("#banner")
+        busy.join()
+        page.close()
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ _BROWSER_ARGS = [
 @contextlib.asynccontextmanager
 async def http_watcher(base_url: str, api_key: str | None) -> AsyncIterator[dict[str, int]]:
     """Poll /v1/stats once a second with ``since`` paging, as the page does."""
-    counts = {"polls": 0}
+    counts = {"samples": 0}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def loop(client: httpx.AsyncClient) -> None:
@@ -51,7 +51,7 @@ async def http_watcher(base_url: str, api_key: str | None) -> AsyncIterator[dict
         while True:
             reply = (await client.get(f"/v1/stats?since={since}")).json()
             since = reply["last_seq"]
-            counts["polls"] += 1
+            counts["samples"] += len(reply["samples"])
             await asyncio.sleep(1.0)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=30) as client:
@@ -66,7 +66,8 @@ async def http_watcher(base_url: str, api_key: str | None) -> AsyncIterator[dict
 
 @contextlib.asynccontextmanager
 async def browser_watcher(base_url: str, api_key: str | None, chromium: str) -> AsyncIterator[dict[str, int]]:
-    """The real dashboard in headless Chromium, polling and drawing for the whole run."""
+    """The real dashboard in headless Chromium, polling and drawing for the whole run
+    (its sample count is what the page holds: the server's history plus what it polled)."""
     from playwright.async_api import async_playwright
 
     async with async_playwright() as p:
@@ -76,11 +77,11 @@ async def browser_watcher(base_url: str, api_key: str | None, chromium: str) -> 
             await page.add_init_script(f"localStorage.setItem('swiftserve.apiKey', {json.dumps(api_key)})")
         await page.goto(f"{base_url}/#dashboard")
         await page.wait_for_function("() => document.getElementById('chart-queue').dataset.samples")
-        counts = {"polls": 0}
+        counts = {"samples": 0}
         try:
             yield counts
         finally:
-            counts["polls"] = int(await page.get_attribute("#chart-queue", "data-samples") or 0)
+            counts["samples"] = int(await page.get_attribute("#chart-queue", "data-samples") or 0)
             await browser.close()
 
 
@@ -89,7 +90,7 @@ async def _one_run(args: argparse.Namespace, mode: str, seed: int) -> dict[str, 
     reqs = serve_bench.build_requests(run_args)
     rate = float(args.request_rate)
     if mode == "closed":
-        watcher: Any = contextlib.nullcontext({"polls": 0})
+        watcher: Any = contextlib.nullcontext({"samples": 0})
     elif args.watcher == "browser":
         watcher = browser_watcher(args.base_url, args.api_key, args.chromium)
     else:
@@ -97,7 +98,7 @@ async def _one_run(args: argparse.Namespace, mode: str, seed: int) -> dict[str, 
     async with watcher as counts:
         report = await serve_bench.run_rate(run_args, reqs, rate, lambda: None)
     report.pop("_results", None)
-    report["mode"], report["polls"] = mode, counts["polls"]
+    report["mode"], report["samples_seen"] = mode, counts["samples"]
     return report
 
 
@@ -111,7 +112,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             report = asyncio.run(_one_run(args, mode, args.bench_seed + 1000 * (2 * i + j)))
             runs.append(report)
             cells = ", ".join(f"{m} {q} {report[m][q]:.1f}" for m, q in _METRICS)
-            print(f"round {i + 1} {mode:>6}: {cells} ms; failed {report['failed']}, polls {report['polls']}")
+            print(
+                f"round {i + 1} {mode:>6}: {cells} ms; failed {report['failed']}, samples seen {report['samples_seen']}"
+            )
     summary = {
         mode: {f"{m}_{q}": statistics.median(r[m][q] for r in runs if r["mode"] == mode) for m, q in _METRICS}
         for mode in ("closed", "open")
