@@ -113,7 +113,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(report)
             cells = ", ".join(f"{m} {q} {report[m][q]:.1f}" for m, q in _METRICS)
             print(
-                f"round {i + 1} {mode:>6}: {cells} ms; failed {report['failed']}, samples seen {report['samples_seen']}"
+                f"round {i + 1} {mode:>6}: {cells} ms; failed {report['failed']}, "
+                f"samples seen {report['samples_seen']}"
             )
     summary = {
         mode: {f"{m}_{q}": statistics.median(r[m][q] for r in runs if r["mode"] == mode) for m, q in _METRICS}
