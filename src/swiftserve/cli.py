@@ -104,6 +104,7 @@ _BENCHES: list[tuple[str, str, str, Callable[[argparse.Namespace], int] | str, b
     ("quant", "quant", "float32 / bfloat16 / INT8 / INT4: memory, perplexity, speed", "run", False),
     ("startup", "startup", "cold start: serve to healthy / first token, LLM(...)", "run", False),
     ("dashboard", "dashboard", "serving latency with the dashboard open vs closed", "main", False),
+    ("embed", "embed", "/v1/embeddings load (bursty, steady) against several servers", "main", False),
 ]
 
 

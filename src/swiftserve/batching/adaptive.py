@@ -41,6 +41,13 @@ Control law (all times in ms; ``T`` is ``target_p99_ms``):
    queueing, and a smaller window would only make batches smaller and the queue longer.
 6. Output ``window = clamp(w, 0, max_wait_ms)``: ``max_wait_ms`` is a hard cap. Without a
    target the window is the time to fill a full batch, ``(max_batch - 1) / lam``.
+7. Optional, for latency-first users (``min_expected_arrivals`` > 0, the embedding server
+   sets 1): a wait that is expected to bring fewer than that many items, ``lam w <
+   min_expected_arrivals``, is not taken (window 0). A quiet stream then fires every item at
+   once instead of spending the budget on company that will not come; under load the items
+   that arrive while a batch runs still form the next one (the batcher runs one at a time).
+   The default (0) keeps the plan above, which minimizes the number of batches for a
+   function with a high fixed cost per call (an accelerator).
 """
 
 from __future__ import annotations
@@ -65,8 +72,15 @@ def percentile(values: list[float], q: float) -> float:
 class AdaptiveWindow:
     """Chooses how long the oldest queued item may wait before its batch fires."""
 
-    def __init__(self, max_batch_size: int, max_wait_ms: float, target_p99_ms: float | None):
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_wait_ms: float,
+        target_p99_ms: float | None,
+        min_expected_arrivals: float = 0.0,
+    ):
         self.max_batch_size = max_batch_size
+        self.min_expected_arrivals = min_expected_arrivals
         self.max_wait_ms = max_wait_ms
         self.target_p99_ms = target_p99_ms
         self.backoff_ms = 0.0  # ``d``: budget taken away by measured P99 breaches
@@ -191,4 +205,7 @@ class AdaptiveWindow:
         else:
             lam = self.arrival_rate_per_ms
             w = self.max_wait_ms if lam <= 0 else (self.max_batch_size - 1) / lam
-        return max(0.0, min(w, self.max_wait_ms))
+        w = max(0.0, min(w, self.max_wait_ms))
+        if self.arrival_rate_per_ms * max(w - age_ms, 0.0) < self.min_expected_arrivals:
+            return 0.0  # rule 7: nobody is expected to join in the time left
+        return w

@@ -61,6 +61,7 @@ class DynamicBatcher:
         queue_timeout_ms: float | None = None,
         timeout_action: str = "reject",
         max_concurrent_batches: int = 1,
+        min_expected_arrivals: float = 0.0,
     ):
         _check(max_batch_size >= 1, "max_batch_size must be >= 1")
         _check(max_wait_ms >= 0, "max_wait_ms must be >= 0")
@@ -83,7 +84,11 @@ class DynamicBatcher:
         self.priority_levels = priority_levels
         self.queue_timeout_ms = queue_timeout_ms
         self.timeout_action = timeout_action
-        self.controller = AdaptiveWindow(max_batch_size, max_wait_ms, target_p99_ms) if adaptive else None
+        self.controller = (
+            AdaptiveWindow(max_batch_size, max_wait_ms, target_p99_ms, min_expected_arrivals)
+            if adaptive
+            else None
+        )
         # An object whose __call__ is async counts as async too.
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             type(fn).__call__  # type: ignore[operator]

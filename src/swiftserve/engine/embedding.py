@@ -37,6 +37,8 @@ class EmbeddingEngine:
             max_queue_size=max_queue_size,
             priority_levels=2,
             aging_ms=1000.0,
+            # latency first: a lone request does not wait for company that is not coming
+            min_expected_arrivals=1.0,
         )
 
     @property
@@ -53,12 +55,9 @@ class EmbeddingEngine:
     async def stop(self) -> None:
         await self.batcher.stop()
 
-    async def submit(self, item: str | list[int], priority: int = 0) -> list[float]:
-        """The embedding of one input (raises the batcher's QueueFull / QueueTimeout)."""
+    async def submit(self, item: str | list[int], priority: int = 0) -> tuple[list[float], int]:
+        """(embedding, tokens used) of one input (raises the batcher's QueueFull / QueueTimeout)."""
         return await self.batcher.submit(item, priority=priority)  # type: ignore[no-any-return]
-
-    def count_tokens(self, item: str | list[int]) -> int:
-        return self.runner.count_tokens(item)
 
     def stats(self) -> dict[str, Any]:
         return self.batcher.stats()  # type: ignore[no-any-return]

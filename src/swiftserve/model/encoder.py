@@ -1,12 +1,16 @@
 """Encoder models for embeddings (BERT family through ``transformers``), pooled as the
 checkpoint's sentence-transformers config says (mean pooling + L2 normalisation by default).
 
-Inputs longer than ``max_seq_length`` are truncated, as sentence-transformers does.
+Inputs longer than ``max_seq_length`` are truncated, as sentence-transformers does. A batch
+is tokenized in one call and run as a few forwards of similar lengths (``length_groups``):
+padding every sentence to the longest of a mixed batch cost ~25% of the encoder's time on
+8-40 word sentences.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -37,6 +41,36 @@ def _pooling(path: Path) -> tuple[str, bool]:
     return mode, normalize
 
 
+# One more forward costs about as much as this many padded tokens (MiniLM on CPU: ~3 ms of
+# fixed cost per call against ~0.09 ms per token); the grouping trades the two.
+FORWARD_COST_TOKENS = 32
+
+
+def length_groups(lengths: list[int], step: int = 8, overhead: int = FORWARD_COST_TOKENS) -> list[list[int]]:
+    """Indices of ``lengths`` split into forwards of similar length, cheapest first-to-last.
+
+    Sorted by length and cut (at multiples of ``step`` items) where the padding saved pays
+    for another forward: a dynamic program over the cut points minimizing
+    ``sum(overhead + items x longest)`` of the groups.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    cuts = [*range(0, len(order), step), len(order)]
+    best = [0.0] + [math.inf] * (len(cuts) - 1)
+    back = [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        longest = lengths[order[cuts[j] - 1]]
+        for i in range(j):
+            cost = best[i] + overhead + (cuts[j] - cuts[i]) * longest
+            if cost < best[j]:
+                best[j], back[j] = cost, i
+    groups: list[list[int]] = []
+    j = len(cuts) - 1
+    while j > 0:
+        groups.append(order[cuts[back[j]] : cuts[j]])
+        j = back[j]
+    return groups[::-1]
+
+
 class EncoderModel:
     """Batched text -> embedding vectors."""
 
@@ -60,19 +94,34 @@ class EncoderModel:
         self.dimensions = int(self.model.config.hidden_size)
 
     def count_tokens(self, item: str | list[int]) -> int:
-        if isinstance(item, str):
-            return min(len(self.tokenizer(item)["input_ids"]), self.max_seq_length)
-        return min(len(item), self.max_seq_length)
+        return len(self.token_ids([item])[0])
 
-    @torch.inference_mode()
+    def token_ids(self, items: list[str | list[int]]) -> list[list[int]]:
+        """Truncated token ids of each item (strings tokenized in one batched call)."""
+        texts = [x for x in items if isinstance(x, str)]
+        encoded = iter(
+            self.tokenizer(texts, truncation=True, max_length=self.max_seq_length)["input_ids"]
+            if texts
+            else []
+        )
+        return [next(encoded) if isinstance(x, str) else list(x)[: self.max_seq_length] for x in items]
+
     def embed(self, items: list[str | list[int]]) -> list[list[float]]:
         """Embed a batch; strings are tokenized, token-id lists are used as given."""
-        id_lists = [
-            self.tokenizer(x, truncation=True, max_length=self.max_seq_length)["input_ids"]
-            if isinstance(x, str)
-            else list(x)[: self.max_seq_length]
-            for x in items
-        ]
+        return [vector for vector, _ in self.embed_counted(items)]
+
+    @torch.inference_mode()
+    def embed_counted(self, items: list[str | list[int]]) -> list[tuple[list[float], int]]:
+        """(embedding, tokens used) of each item, in order."""
+        id_lists = self.token_ids(items)
+        out: list[tuple[list[float], int]] = [([], 0)] * len(items)
+        for group in length_groups([len(ids) for ids in id_lists]):
+            vectors = self._forward([id_lists[i] for i in group])
+            for i, vector in zip(group, vectors, strict=True):
+                out[i] = (vector, len(id_lists[i]))
+        return out
+
+    def _forward(self, id_lists: list[list[int]]) -> list[list[float]]:
         width = max(len(ids) for ids in id_lists)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.tensor([row + [pad] * (width - len(row)) for row in id_lists])
@@ -81,7 +130,7 @@ class EncoderModel:
         pooled = self._pool(hidden, mask)
         if self.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.tolist()
+        return pooled.tolist()  # type: ignore[no-any-return]
 
     def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         m = mask.unsqueeze(-1).to(hidden.dtype)

@@ -62,7 +62,7 @@ class EmbeddingService:
 
         items = self.inputs(body)
         try:
-            vectors = await asyncio.gather(*(self.engine.submit(x, priority=body.priority) for x in items))
+            results = await asyncio.gather(*(self.engine.submit(x, priority=body.priority) for x in items))
         except QueueFull as e:
             raise APIError(
                 503,
@@ -73,14 +73,14 @@ class EmbeddingService:
             ) from e
         except QueueTimeout as e:
             raise APIError(408, str(e), type_="timeout_error", code="deadline_exceeded") from e
-        tokens = sum(self.engine.count_tokens(x) for x in items)
+        tokens = sum(count for _, count in results)
         data = [
             {
                 "object": "embedding",
                 "index": i,
                 "embedding": _b64(v) if body.encoding_format == "base64" else v,
             }
-            for i, v in enumerate(vectors)
+            for i, (v, _) in enumerate(results)
         ]
         return {
             "object": "list",

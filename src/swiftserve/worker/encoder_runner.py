@@ -32,5 +32,7 @@ class EncoderRunner:
     def count_tokens(self, item: str | list[int]) -> int:
         return self.model.count_tokens(item)
 
-    def embed(self, items: list[str | list[int]]) -> list[list[float]]:
-        return self.model.embed(items)
+    def embed(self, items: list[str | list[int]]) -> list[tuple[list[float], int]]:
+        """(vector, tokens used) per item: the token count comes from the batch's own
+        tokenization, so the server never tokenizes an input twice."""
+        return self.model.embed_counted(items)
