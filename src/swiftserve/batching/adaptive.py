@@ -62,11 +62,16 @@ MIN_ERRORS = 8  # errors needed before the margin is measured rather than assume
 
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    return percentiles(values, (q,))[q]
+
+
+def percentiles(values: list[float], qs: tuple[float, ...]) -> dict[float, float]:
+    """Several nearest-rank percentiles from one sort (0.0 each for no values)."""
     if not values:
-        return 0.0
+        return dict.fromkeys(qs, 0.0)
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+    n = len(ordered)
+    return {q: ordered[max(0, min(n - 1, round(q / 100 * n + 0.5) - 1))] for q in qs}
 
 
 class AdaptiveWindow:

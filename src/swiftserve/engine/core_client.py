@@ -116,6 +116,7 @@ def _engine_process_main(
         from swiftserve.engine.core import EngineCore
     config = msgspec.convert(msgspec.msgpack.decode(config_bytes), EngineConfig)
     loop = CoreLoop(EngineCore(config, model_path, progress=False))
+    startup.freeze_heap()
     conn.send_bytes(encode(Ready(core_info(loop.core))))
     timeline.mark("ready")
 

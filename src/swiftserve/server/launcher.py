@@ -79,5 +79,6 @@ def run_server(settings: ServerSettings, engine_options: dict[str, Any]) -> int:
         f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\'\n',
         flush=True,
     )
+    startup.freeze_heap()
     asyncio.run(server.serve())
     return server.exit_code
