@@ -115,3 +115,19 @@ def test_busy_stream_leaves_the_next_batch_room() -> None:
     assert w.cost_ms(n) + w.cost_ms(lam * w.cost_ms(n)) == pytest.approx(BUDGET_FRACTION * 20.0)
     assert window + w.cost_ms(n) < BUDGET_FRACTION * 20.0  # its own deadline had slack left
     assert w.window_ms(15, 0.0) == 0.0  # already past n_max: fire now
+
+
+def test_latency_first_window_does_not_wait_for_company_that_is_not_coming() -> None:
+    """min_expected_arrivals=1: a wait expected to bring less than one item is not taken."""
+    quiet_plain = fed(gap_ms=200.0)
+    assert quiet_plain.window_ms(1, 0.0) > 0  # the deadline plan would wait
+    quiet = fed(gap_ms=200.0)
+    quiet.min_expected_arrivals = 1.0
+    assert quiet.window_ms(1, 0.0) == 0.0
+    busy_plain, busy = fed(gap_ms=4.0), fed(gap_ms=4.0)
+    busy.min_expected_arrivals = 1.0
+    assert busy.window_ms(1, 0.0) == busy_plain.window_ms(1, 0.0) > 4.0  # company is coming
+    # the oldest has waited nearly the whole window: under one item left to gain, fire now
+    gap = 1 / busy_plain.arrival_rate_per_ms
+    age = next(a for a in range(200) if 0 < busy_plain.window_ms(1, float(a)) - a < gap)
+    assert busy.window_ms(1, float(age)) == 0.0

