@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from swiftserve.batching import DynamicBatcher
-from swiftserve.worker.encoder_runner import EncoderRunner, is_encoder_checkpoint
+from swiftserve.worker.encoder_runner import EncoderRunner, is_encoder_checkpoint, worker_layout
 
 __all__ = ["EmbeddingEngine", "is_encoder_checkpoint"]
 
@@ -26,8 +26,14 @@ class EmbeddingEngine:
         max_wait_ms: float = 10.0,
         target_p99_ms: float | None = 200.0,
         max_queue_size: int = 4096,
+        workers: int | None = None,
+        set_threads: bool = True,
     ):
-        self.runner = EncoderRunner(path)
+        """``workers``: batches run side by side (None: one per core, one thread each; see
+        worker_layout). ``set_threads=False`` leaves torch's thread count alone (when an LLM
+        engine shares this process)."""
+        self.workers, threads = worker_layout(workers)
+        self.runner = EncoderRunner(path, threads=threads if set_threads else None)
         self.batcher = DynamicBatcher(
             self.runner.embed,
             max_batch_size=max_batch_size,
@@ -39,6 +45,7 @@ class EmbeddingEngine:
             aging_ms=1000.0,
             # latency first: a lone request does not wait for company that is not coming
             min_expected_arrivals=1.0,
+            max_concurrent_batches=self.workers,
         )
 
     @property

@@ -50,12 +50,17 @@ def run_server(settings: ServerSettings, engine_options: dict[str, Any]) -> int:
     embedder: EmbeddingService | None = None
     embedding_name = None
     if encoder:  # an encoder as --model: an embeddings-only server
-        embedder = EmbeddingService(path)
+        embedder = EmbeddingService(path, workers=settings.embedding_workers)
         embedding_name = settings.served_model_name
     else:
         engine = AsyncLLM(config, str(path), client=client)
     if settings.embedding_model:
-        embedder = EmbeddingService(settings.embedding_model)
+        embedder = EmbeddingService(
+            settings.embedding_model,
+            workers=settings.embedding_workers,
+            # an LLM engine in this process (engine_mode thread) keeps torch's thread count
+            set_threads=settings.engine_mode == "process",
+        )
         embedding_name = settings.embedding_model_name or Path(settings.embedding_model).name
     app = create_app(engine, settings, embedder, embedding_name)
     uv_config = uvicorn.Config(

@@ -25,6 +25,8 @@ class ServerSettings:
     ``allowed_hosts``: when set, the Host header (and Origin, when sent) must name one of
     these hosts (a DNS-rebinding guard); 403 otherwise. ``disable_web_ui``: no chat page or
     dashboard at ``/`` (the ``/v1/stats`` data endpoint stays, behind the API key like the rest).
+    ``embedding_workers``: encoder batches run side by side (default: one single-threaded
+    forward per core).
     """
 
     served_model_name: str | None = None
@@ -48,6 +50,7 @@ class ServerSettings:
     engine_mode: str = "process"
     log_level: str = "info"
     disable_web_ui: bool = False
+    embedding_workers: int | None = None
 
     def __post_init__(self) -> None:
         own = "ServerSettings"
@@ -59,5 +62,7 @@ class ServerSettings:
         check_range(own, "port", self.port, 0, 65535)
         for name in ("shutdown_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
             check_range(own, name, getattr(self, name), 0)
+        if self.embedding_workers is not None:
+            check_range(own, "embedding_workers", self.embedding_workers, 1, 64)
         if self.max_queued_requests is not None:
             check_range(own, "max_queued_requests", self.max_queued_requests, 0)
