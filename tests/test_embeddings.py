@@ -84,6 +84,20 @@ def test_grouped_batch_equals_sentence_transformers(
     assert max(n for _, n in counted) == model.max_seq_length  # the long ones are truncated
 
 
+def test_worker_layout_one_single_threaded_forward_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swiftserve.server.settings import ServerSettings
+    from swiftserve.worker import encoder_runner
+
+    monkeypatch.setattr(encoder_runner, "available_cores", lambda: 4)
+    assert encoder_runner.worker_layout(None) == (4, 1)
+    assert encoder_runner.worker_layout(1) == (1, 4)
+    assert encoder_runner.worker_layout(3) == (3, 1)
+    monkeypatch.setattr(encoder_runner, "available_cores", lambda: 32)
+    assert encoder_runner.worker_layout(None) == (8, 4)  # at most 8 side by side by default
+    with pytest.raises(ValueError, match="embedding_workers"):
+        ServerSettings(embedding_workers=0)
+
+
 @pytest.fixture(scope="module")
 def server(llama_dir: Path, encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = (
