@@ -92,3 +92,14 @@ def test_embedding_fields_and_targets() -> None:
     assert sample["embed_batch_size_mean"] == 8.0 and sample["embed_window_ms"] == 4.0
     assert "running" not in sample  # no LLM engine on this server
     assert live.snapshot()["targets_ms"] == {"ttft": 500.0}
+
+
+def test_counters_that_appear_late_count_from_zero() -> None:
+    """The engine's first stats can arrive after the first samples: the steps of that first
+    busy interval still count (they once vanished, leaving the batch chart empty)."""
+    clock = Clock()
+    live = LiveStats(clock=clock, wall_clock=clock)
+    live.sample({})  # no engine stats yet
+    clock.now += 1
+    sample = live.sample(_engine(num_steps=10, scheduled_rows=30, computed_tokens=300))
+    assert sample["batch_size_mean"] == 3.0 and sample["steps_per_s"] == 10.0

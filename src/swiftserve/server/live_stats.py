@@ -96,7 +96,10 @@ class LiveStats:
             self._recent.popleft()
         dt = now - self._prev_time if self._prev_time is not None else 0.0
         counters = self._counters(engine, embedding)
-        delta = {k: v - self._prev.get(k, v) for k, v in counters.items()}
+        if self._prev_time is None:
+            delta = dict.fromkeys(counters, 0.0)
+        else:  # a counter the last sample lacked (no engine stats yet then) starts from 0
+            delta = {k: v - self._prev.get(k, 0.0) for k, v in counters.items()}
         self._prev, self._prev_time = counters, now
         self._seq += 1
         sample: dict[str, Any] = {
