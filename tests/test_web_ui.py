@@ -246,6 +246,13 @@ def test_disable_web_ui_removes_the_page(tmp_path: Path) -> None:
         assert httpx.get(f"{s.url}/").status_code == 404
         assert httpx.get(f"{s.url}/ui/app.js").status_code == 404
         assert httpx.get(f"{s.url}/v1/stats").json()["object"] == "stats"
+        # the engine's gauges reach the dashboard before any request has been made
+        for _ in range(200):
+            samples = httpx.get(f"{s.url}/v1/stats").json()["samples"]
+            if samples and "running" in samples[-1]:
+                break
+            time.sleep(0.05)
+        assert samples[-1]["running"] == 0 and samples[-1]["kv_cache_usage"] == 0.0
 
 
 def test_dashboard_shows_the_embedding_batcher(browser: Any, tmp_path: Path) -> None:

@@ -113,6 +113,7 @@ class CoreLoop:
     def serve(self, recv: Recv, emit: EmitOutputs) -> None:
         """Run until a Stop command: drain every waiting command, then step once."""
         core = self.core
+        emit([], core_stats(core))  # the gauges exist from the start, not from the first request
         while True:
             command = recv(not core.has_unfinished())
             rejected: list[EngineCoreOutput] = []
