@@ -116,6 +116,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     priority: int = 0
     arrival_time: float = msgspec.field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() (one clock for both processes on Linux)
+    cache_salt: str | None = None  # isolates prefix-cache hits between tenants (vLLM's name)
 
 
 class Add(msgspec.Struct, frozen=True, tag="add"):

@@ -151,6 +151,7 @@ class AsyncLLM:
         priority: int = 0,
         deadline: float | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield incremental outputs (``text`` holds only the new text of each step).
 
@@ -174,7 +175,7 @@ class AsyncLLM:
         try:
             arrival = arrival_time if arrival_time is not None else time.monotonic()
             requests = self.frontend.add_request(
-                request_id, processed, params, max_tokens, priority, arrival, deadline
+                request_id, processed, params, max_tokens, priority, arrival, deadline, cache_salt
             )
             self.client.send(Add(requests))
             while True:

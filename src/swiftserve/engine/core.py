@@ -76,6 +76,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 max_tokens=request.max_tokens,
                 deadline=request.deadline,
+                cache_salt=request.cache_salt,
             )
         )
 

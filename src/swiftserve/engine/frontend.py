@@ -47,6 +47,7 @@ class Frontend:
         priority: int,
         arrival_time: float,
         deadline: float | None = None,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a request with the output processor; its core requests (one per sequence)."""
         children = self.processor.add_request(request_id, processed.prompt, processed.token_ids, params)
@@ -60,6 +61,7 @@ class Frontend:
                 priority,
                 arrival_time,
                 deadline,
+                cache_salt,
             )
             for i, child in enumerate(children)
         ]

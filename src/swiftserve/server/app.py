@@ -26,6 +26,7 @@ from swiftserve.server.metrics import ServerMetrics
 from swiftserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from swiftserve.server.serving import OpenAIServing, to_api_error
 from swiftserve.server.settings import ServerSettings
+from swiftserve.server.tokenize import add_tokenize_routes
 from swiftserve.server.web_ui import add_web_routes, public_paths, sampling
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,7 @@ def create_app(
     _add_error_handlers(app)
     _add_info_routes(app, engine, embedder, serving, settings, embed_name)
     _add_generation_routes(app, engine, serving)
+    add_tokenize_routes(app, engine, serving)
 
     def describe() -> dict[str, Any]:
         return {

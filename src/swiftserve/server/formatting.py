@@ -107,6 +107,13 @@ class _Formatter:
         return json.dumps({**self._envelope(self.chunk_object, []), "usage": self.usage()})
 
     chunk_object = "chunk"
+    continuous_usage = False  # stream_options.continuous_usage_stats: usage in every chunk
+
+    def _chunk_json(self, choice: dict[str, Any]) -> str:
+        body = self._envelope(self.chunk_object, [choice])
+        if self.continuous_usage:
+            body["usage"] = self.usage()
+        return json.dumps(body)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """The fields every response body and chunk shares."""
@@ -171,17 +178,7 @@ class CompletionFormatter(_Formatter):
                 "finish_reason": d.choice.finish_reason if d.newly_finished else None,
                 "stop_reason": d.choice.stop_reason if d.newly_finished else None,
             }
-            result.append(
-                json.dumps(
-                    {
-                        "id": self.id,
-                        "object": "text_completion",
-                        "created": self.created,
-                        "model": self.model,
-                        "choices": [choice],
-                    }
-                )
-            )
+            result.append(self._chunk_json(choice))
         return result
 
     def final(self) -> dict[str, Any]:
@@ -237,14 +234,8 @@ class ChatFormatter(_Formatter):
         return result
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
-        return json.dumps(
-            {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-            }
+        return self._chunk_json(
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         )
 
     def final(self) -> dict[str, Any]:

@@ -84,6 +84,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)
     timeout: float | None = Field(default=None, gt=0, le=1e7)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def sampling_kwargs(self, defaults: Mapping[str, float]) -> dict[str, Any]:
         """SamplingParams keywords; unset sampling fields take ``defaults`` (the checkpoint's)."""

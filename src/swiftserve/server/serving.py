@@ -115,6 +115,17 @@ class OpenAIServing:
         s = self.settings
         if body.n > s.max_n:
             raise bad_request(f"n must be <= {s.max_n}, got {body.n}", "n")
+        if (
+            body.priority != 0
+            and self._engine is not None
+            and self._engine.config.scheduling_policy != "priority"
+        ):
+            # as vLLM: a priority the scheduler would ignore is refused, not silently dropped
+            raise bad_request(
+                "priority: only the priority scheduling policy uses it (start the server with "
+                "--scheduling-policy priority)",
+                "priority",
+            )
         if num_prompts > s.max_prompts:
             raise bad_request(f"at most {s.max_prompts} prompts per request, got {num_prompts}", "prompt")
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
@@ -212,7 +223,12 @@ class OpenAIServing:
         arrival = time.monotonic()
         deadline = arrival + body.timeout if body.timeout is not None else None
         fmt = formatter(request_id, int(time.time()), self.settings.served_model_name, params, self.metrics)
-        outputs = self._merged(prompts, params, request_id, body.priority, deadline, arrival)
+        outputs = self._merged(prompts, params, request_id, body.priority, deadline, arrival, body.cache_salt)
+        fmt.continuous_usage = bool(
+            body.stream_options
+            and body.stream_options.include_usage
+            and body.stream_options.continuous_usage_stats
+        )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -233,6 +249,7 @@ class OpenAIServing:
         priority: int,
         deadline: float | None,
         arrival: float,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of all prompts as (prompt index, output), in arrival order."""
         gens = [
@@ -243,6 +260,7 @@ class OpenAIServing:
                 priority=priority,
                 deadline=deadline,
                 arrival_time=arrival,
+                cache_salt=cache_salt,
             )
             for i, p in enumerate(prompts)
         ]

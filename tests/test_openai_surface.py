@@ -1,0 +1,105 @@
+"""The rest of the OpenAI/vLLM request surface through a real server: priority under fcfs is
+refused, cache_salt isolates prefix-cache hits, continuous usage stats, tokenize/detokenize."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server_utils import Server, running_server
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(llama_dir, "--max-model-len", "256", log_dir=tmp_path_factory.mktemp("surface")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_priority_under_fcfs_is_refused_not_dropped(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=None, prompt="x", max_tokens=2, extra_body={"priority": 3})  # type: ignore[arg-type]
+    assert info.value.body["param"] == "priority"  # type: ignore[index]
+    ok = client.completions.create(model=None, prompt="x", max_tokens=2, extra_body={"priority": 0})  # type: ignore[arg-type]
+    assert ok.usage is not None and ok.usage.completion_tokens == 2
+
+
+def test_cache_salt_isolates_prefix_hits(server: Server, client: openai.OpenAI) -> None:
+    prompt = [7 + (i * 13) % 400 for i in range(96)]  # six full blocks of 16
+
+    def hits_after(salt: str | None) -> float:
+        before = server.metrics()["swiftserve:prefix_cache_hits"]
+        extra = {"cache_salt": salt} if salt is not None else {}
+        client.completions.create(model=None, prompt=prompt, max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
+        return server.metrics()["swiftserve:prefix_cache_hits"] - before
+
+    assert hits_after("tenant-a") == 0  # first time anywhere
+    assert hits_after("tenant-a") > 0  # the same tenant hits its own cache
+    assert hits_after("tenant-b") == 0  # another tenant does not see it
+    assert hits_after(None) == 0  # nor does an unsalted request
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=None, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})  # type: ignore[arg-type]
+
+
+def test_continuous_usage_stats_in_every_chunk(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=None,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 6
+    plain = client.chat.completions.create(
+        model=None,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    with_usage = [c for c in plain if c.usage is not None]
+    assert len(with_usage) == 1 and not with_usage[0].choices  # only the final usage chunk
+
+
+@pytest.mark.parametrize("prefix", ["", "/v1"])
+def test_tokenize_and_detokenize(server: Server, llama_dir: Path, prefix: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(llama_dir))
+    text = "Hello tokenizer, 12345!"
+    reply = httpx.post(
+        f"{server.url}{prefix}/tokenize", json={"prompt": text, "return_token_strs": True}
+    ).json()
+    assert reply["tokens"] == tok.encode(text) and reply["count"] == len(reply["tokens"])
+    assert reply["max_model_len"] == 256 and len(reply["token_strs"]) == reply["count"]
+    back = httpx.post(f"{server.url}{prefix}/detokenize", json={"tokens": reply["tokens"]}).json()
+    assert back["prompt"] == tok.decode(reply["tokens"])
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = httpx.post(f"{server.url}{prefix}/tokenize", json={"messages": messages}).json()
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(rendered, add_special_tokens=False)  # as /v1/chat/completions
+
+
+def test_tokenize_bad_input_is_a_400(server: Server) -> None:
+    for path, body, param in (
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ):
+        reply = httpx.post(f"{server.url}{path}", json=body)
+        assert reply.status_code == 400, (path, body, reply.text)
+        assert reply.json()["error"]["param"] == param
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "a", "model": "nope"}).status_code == 404
