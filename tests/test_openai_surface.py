@@ -103,3 +103,47 @@ def test_tokenize_bad_input_is_a_400(server: Server) -> None:
         assert reply.status_code == 400, (path, body, reply.text)
         assert reply.json()["error"]["param"] == param
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "a", "model": "nope"}).status_code == 404
+
+
+def test_logit_bias_allowed_ids_and_bad_words_through_the_server(
+    server: Server, client: openai.OpenAI
+) -> None:
+    def ids_of(text: str) -> list[int]:
+        return httpx.post(
+            f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}
+        ).json()["tokens"]
+
+    base = {"model": None, "prompt": "The quick", "max_tokens": 6, "temperature": 0.0}
+    forced = client.completions.create(**base, logit_bias={"42": 100}, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    assert ids_of(forced.choices[0].text) == [42] * 6
+    allowed = client.completions.create(
+        **base, extra_body={"allowed_token_ids": [50, 51], "ignore_eos": True, "temperature": 1.0, "seed": 3}
+    )  # type: ignore[arg-type]
+    assert set(ids_of(allowed.choices[0].text)) <= {50, 51}
+    free = client.completions.create(**base, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    first = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": free.choices[0].text, "add_special_tokens": False}
+    )
+    word = httpx.post(f"{server.url}/detokenize", json={"tokens": first.json()["tokens"][:1]}).json()[
+        "prompt"
+    ]
+    if word.strip():
+        banned = client.completions.create(**base, extra_body={"ignore_eos": True, "bad_words": [word]})  # type: ignore[arg-type]
+        assert word.strip() not in banned.choices[0].text.split()[:1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**8]}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words.0"),
+    ],
+)
+def test_token_rule_bad_input_is_a_400(client: openai.OpenAI, extra: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=None, prompt="x", max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
+    assert info.value.body["param"] == param, info.value.body  # type: ignore[index]

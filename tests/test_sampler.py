@@ -117,3 +117,26 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert sampler(LOGITS[None], [state])[0] == [2]
     state.output_token_ids.append(4)
     assert sampler(LOGITS[None], [state])[0] == [0]
+
+
+def test_token_rules_bias_allowed_and_bad_words() -> None:
+    logits = torch.zeros(3, 10)
+    logits[:, 2] = 5.0  # the greedy choice without rules
+    states = [
+        SamplingState(SamplingParams(temperature=0.0, logit_bias={7: 100.0}), [1]),
+        SamplingState(SamplingParams(temperature=0.0, allowed_token_ids=[3, 4]), [1]),
+        SamplingState(SamplingParams(temperature=0.0, bad_words_token_ids=[(9, 2), (2,)]), [1], [9]),
+    ]
+    tokens, _ = Sampler()(logits, states)
+    assert tokens[0] == 7  # biased up
+    assert tokens[1] in (3, 4)  # only the allowed ones
+    assert tokens[2] != 2  # "9 2" and "2" are banned: 2 would complete both
+    sampled = Sampler(seed=1)(
+        torch.randn(1, 10).repeat(64, 1),
+        [SamplingState(SamplingParams(temperature=1.0, allowed_token_ids=(5, 6)), [1]) for _ in range(64)],
+    )[0]
+    assert set(sampled) <= {5, 6}
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

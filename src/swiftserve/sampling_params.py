@@ -40,6 +40,14 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Token rules, applied to the logits before everything else (vLLM's names). logit_bias:
+    # (token id, bias in [-100, 100]) pairs (a dict is accepted); allowed_token_ids: only
+    # these may be sampled; bad_words: never completed; the frontend fills
+    # bad_words_token_ids from them with the model's tokenizer.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise convenience forms (a single stop string, lists) into tuples.
@@ -48,6 +56,14 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias or ())))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        object.__setattr__(
+            self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids or ())
+        )
         self._validate()
 
     def _validate(self) -> None:
@@ -88,6 +104,27 @@ class SamplingParams:
                 raise ValueError(f"{own}.stop entries must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int(own, "stop_token_ids", t, 0, MAX_INT)
+        for t, b in self.logit_bias:
+            _check_int(own, "logit_bias", t, 0, MAX_INT)
+            check_range(own, "logit_bias", b, -100.0, 100.0)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError(f"{own}.allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int(own, "allowed_token_ids", t, 0, MAX_INT)
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"{own}.bad_words entries must be non-empty strings, got {w!r}")
+
+    @property
+    def token_ids_named(self) -> list[tuple[str, int]]:
+        """(field, id) of every token id the rules name, for a vocabulary check."""
+        named = [("logit_bias", t) for t, _ in self.logit_bias]
+        return named + [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
+
+    @property
+    def has_token_rules(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

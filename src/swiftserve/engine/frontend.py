@@ -12,7 +12,7 @@ from typing import Any
 
 from swiftserve.core.messages import CoreInfo, EngineCoreRequest
 from swiftserve.engine.generation_config import default_sampling
-from swiftserve.engine.inputs import InputProcessor, ProcessedPrompt, max_token_chars
+from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, ProcessedPrompt, max_token_chars
 from swiftserve.engine.output_processor import OutputProcessor
 from swiftserve.sampling_params import SamplingParams
 
@@ -50,6 +50,7 @@ class Frontend:
         cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a request with the output processor; its core requests (one per sequence)."""
+        params = self.token_rules(params)
         children = self.processor.add_request(request_id, processed.prompt, processed.token_ids, params)
         return [
             EngineCoreRequest(
@@ -65,3 +66,21 @@ class Frontend:
             )
             for i, child in enumerate(children)
         ]
+
+    def token_rules(self, params: SamplingParams) -> SamplingParams:
+        """Check the token ids that logit_bias / allowed_token_ids name against the
+        vocabulary, and turn bad_words into token sequences (each word alone and after a
+        space, as vLLM does, since BPE vocabularies spell the two differently)."""
+        vocab = self.inputs.vocab_size
+        for field, token in params.token_ids_named:
+            if token >= vocab:
+                raise InvalidRequestError(f"{field}: token id {token} is out of range [0, {vocab})", field)
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        sequences: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return params.replace(bad_words_token_ids=tuple(sequences))

@@ -85,6 +85,20 @@ class _SamplingFields(_Strict):
     priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)
     timeout: float | None = Field(default=None, gt=0, le=1e7)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=1024)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=1 << 20)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        default=None, max_length=128
+    )
+
+    def _bias(self) -> tuple[tuple[int, float], ...]:
+        """OpenAI's logit_bias: token ids as decimal strings."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+            out.append((int(key), bias))
+        return tuple(out)
 
     def sampling_kwargs(self, defaults: Mapping[str, float]) -> dict[str, Any]:
         """SamplingParams keywords; unset sampling fields take ``defaults`` (the checkpoint's)."""
@@ -101,6 +115,9 @@ class _SamplingFields(_Strict):
             "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": self._bias(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": tuple(self.bad_words or ()),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)

@@ -60,6 +60,8 @@ class Sampler:
     ) -> tuple[list[int], list[LogprobEntry | None]]:
         want_lp = [s.params.logprobs for s in states]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
+        if any(s.params.has_token_rules for s in states):
+            logits = self._apply_token_rules(logits, states)
         if any(s.params.min_tokens for s in states):
             logits = self._mask_min_tokens(logits, states)
         if any(s.params.uses_penalties for s in states):
@@ -82,6 +84,28 @@ class Sampler:
             for i, entry in zip(rows, got, strict=True):
                 entries[i] = entry
         return token_list, entries
+
+    @staticmethod
+    def _apply_token_rules(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """logit_bias, allowed_token_ids and bad_words, row by row (only rows that have them)."""
+        logits = logits.clone()
+        for row, s in enumerate(states):
+            p = s.params
+            if not p.has_token_rules:
+                continue
+            if p.logit_bias:
+                ids, biases = zip(*p.logit_bias, strict=True)
+                logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+            if p.allowed_token_ids is not None:
+                keep = torch.full_like(logits[row], float("-inf"))
+                keep[list(p.allowed_token_ids)] = 0.0
+                logits[row] += keep
+            out = s.output_token_ids
+            for seq in p.bad_words_token_ids:  # ban the token that would complete a bad word
+                prefix = seq[:-1]
+                if not prefix or tuple(out[-len(prefix) :]) == prefix:
+                    logits[row, seq[-1]] = float("-inf")
+        return logits
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
