@@ -147,3 +147,81 @@ def test_token_rule_bad_input_is_a_400(client: openai.OpenAI, extra: dict, param
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=None, prompt="x", max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
     assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+
+
+def test_echo_returns_the_prompt_with_its_logprobs(client: openai.OpenAI) -> None:
+    prompt = "Once upon a time"
+    plain = client.completions.create(model=None, prompt=prompt, max_tokens=4, temperature=0.0)  # type: ignore[arg-type]
+    echoed = client.completions.create(model=None, prompt=prompt, max_tokens=4, temperature=0.0, echo=True)  # type: ignore[arg-type]
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    scored = client.completions.create(
+        model=None,  # type: ignore[arg-type]
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0.0,
+        echo=True,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = scored.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    n_prompt = scored.usage.prompt_tokens  # type: ignore[union-attr]
+    assert len(lp.tokens) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:n_prompt]).endswith(prompt.split()[-1])
+    assert lp.text_offset == sorted(lp.text_offset)  # type: ignore[arg-type]
+    streamed = client.completions.create(
+        model=None,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0.0,
+        echo=True,
+        stream=True,  # type: ignore[arg-type]
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+
+
+def test_chat_template_file_and_kwargs(llama_dir: Path, tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}"
+        "{% if shout %}!!{% endif %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    with running_server(
+        llama_dir, "--max-model-len", "256", "--chat-template", str(template), log_dir=tmp_path
+    ) as s:
+        messages = [{"role": "user", "content": "hi"}]
+
+        def rendered(**extra: object) -> list[int]:
+            body = {"messages": messages, "max_tokens": 1, **extra}
+            reply = httpx.post(f"{s.url}/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            return httpx.post(
+                f"{s.url}/tokenize", json={"prompt": "[user|hi]>", "add_special_tokens": False}
+            ).json()["tokens"]
+
+        plain = httpx.post(f"{s.url}/tokenize", json={"messages": messages}).json()["tokens"]
+        assert plain == rendered()  # the file's template, not the checkpoint's
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        shouted = client.chat.completions.create(
+            model=None,  # type: ignore[arg-type]
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=1,
+            extra_body={"chat_template_kwargs": {"shout": True}},
+        )
+        plain_reply = client.chat.completions.create(model=None, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+        assert shouted.usage.prompt_tokens > plain_reply.usage.prompt_tokens  # type: ignore[union-attr]
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=None,  # type: ignore[arg-type]
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=1,
+                extra_body={"chat_template_kwargs": {"messages": []}},
+            )
+        assert info.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+
+
+def test_broken_chat_template_fails_at_start(llama_dir: Path, tmp_path: Path) -> None:
+    broken = running_server(llama_dir, "--chat-template", "{% for x in %}", log_dir=tmp_path, startup_s=60)
+    with pytest.raises(RuntimeError, match="does not compile"), broken:
+        pass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -83,6 +84,20 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["dict"] = dict
     env.globals["namespace"] = _Namespace
     return env.from_string(source)
+
+
+def load_template(spec: str) -> str:
+    """A template given as a file path or as its text; compiled here so a broken one fails
+    at start with the reason, not at the first request."""
+    path = Path(spec)
+    text = path.read_text() if path.is_file() else spec
+    if not path.is_file() and "{" not in spec:
+        raise ValueError(f"--chat-template: {spec!r} is neither a file nor a Jinja template")
+    try:
+        compile_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the template does not compile: {e}") from e
+    return text
 
 
 def _normalize(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swiftserve import __version__
 from swiftserve.engine.async_llm import AsyncLLM
+from swiftserve.engine.chat_template import load_template
 from swiftserve.server.embeddings import EmbeddingRequest, EmbeddingService
 from swiftserve.server.errors import APIError, error_body
 from swiftserve.server.formatting import ChatFormatter, CompletionFormatter
@@ -141,6 +142,8 @@ def create_app(
         config.target_tpot_ms / 1000 if config and config.target_tpot_ms else None,
     )
     serving = OpenAIServing(engine, settings, metrics)
+    if engine is not None and settings.chat_template:
+        engine.tokenizer.chat_template = load_template(settings.chat_template)
     embed_name = embedding_model_name or settings.served_model_name or "swiftserve-embeddings"
 
     def read_stats() -> tuple[dict[str, Any], dict[str, Any] | None, int]:
@@ -287,6 +290,8 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
         prompts = _completion_prompts(body.prompt)
         serving.check_limits(body, len(prompts), body.logprobs)
         params = serving.sampling_params(lambda: body.to_sampling_params(serving.engine.default_sampling))
+        if body.echo and body.logprobs is not None:  # the prompt's logprobs come back with it
+            params = params.replace(prompt_logprobs=body.logprobs)
         ticket = serving.admit(len(prompts) * body.n)
         try:
             processed = await serving.prepare(prompts, params)
@@ -308,12 +313,16 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
             engine.inputs.check_chars(sum(len(m["content"]) for m in conversation))
         except ValueError as e:
             raise to_api_error(e) from e
+        template_kwargs = _template_kwargs(body.chat_template_kwargs)
         ticket = serving.admit(body.n)
         try:
             text = await asyncio.get_running_loop().run_in_executor(
                 None,
                 lambda: engine.tokenizer.apply_chat_template(
-                    conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt
+                    conversation,
+                    tokenize=False,
+                    add_generation_prompt=body.add_generation_prompt,
+                    **template_kwargs,
                 ),
             )
             processed = await serving.prepare([text], params, add_special_tokens=False)
@@ -335,3 +344,21 @@ def _completion_prompts(prompt: Any) -> list[Any]:
     if all(isinstance(t, int) for t in prompt):
         return [list(prompt)]
     return list(prompt)
+
+
+# Names the template receives from us; a request may not replace them.
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "conversation", "chat_template", "tools"}
+)
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: extra variables for the chat template."""
+    reserved = sorted(_RESERVED_TEMPLATE_NAMES & set(kwargs or {}))
+    if reserved:
+        raise APIError(
+            400,
+            f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
+            param="chat_template_kwargs",
+        )
+    return dict(kwargs or {})

@@ -144,6 +144,65 @@ class CompletionFormatter(_Formatter):
     id_prefix = "cmpl"
     chunk_object = "text_completion"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # echo: each prompt's text (set by the server), how to spell a prompt token whose
+        # logprob the engine does not give (the first one), and each prompt's ids and logprobs
+        self.echo: list[str] | None = None
+        self.decode: Any = None
+        self._prompts: dict[int, tuple[list[int], list[Any]]] = {}
+
+    def _echo_text(self, choice: _Choice) -> str:
+        return self.echo[choice.index // self.n] if self.echo is not None else ""
+
+    def _echo_logprobs(self, choice: _Choice) -> dict[str, list[Any]]:
+        """The prompt's part of an echoed choice's logprobs (empty without echo)."""
+        empty: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        prompt = self._prompts.get(choice.index // self.n)
+        if self.echo is None or not self.want_logprobs or prompt is None:
+            return empty
+        ids, lps = prompt
+        offset = 0
+        for token_id, lp in zip(ids, lps, strict=True):
+            text = (
+                _token_text(lp, token_id)
+                if lp is not None
+                else (self.decode([token_id]) if self.decode else "")
+            )
+            empty["tokens"].append(text)
+            empty["token_logprobs"].append(lp[token_id].logprob if lp is not None else None)
+            empty["top_logprobs"].append(dict(_top(lp, self.num_top)) if lp is not None else None)
+            empty["text_offset"].append(offset)
+            offset += len(text)
+        return empty
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self._remember_prompt(index, out)
+        super().add(index, out)
+
+    def _remember_prompt(self, index: int, out: RequestOutput) -> None:
+        if self.echo is not None and out.prompt_logprobs and index not in self._prompts:
+            self._prompts[index] = (list(out.prompt_token_ids), list(out.prompt_logprobs))
+
+    def _with_echo(self, choice: _Choice, text: str, logprobs: dict[str, Any] | None) -> tuple[str, Any]:
+        """Prefix the prompt (and its logprobs) to a choice's first text."""
+        prompt_text = self._echo_text(choice)
+        if logprobs is None:
+            return prompt_text + text, None
+        head = self._echo_logprobs(choice)
+        shift = len(prompt_text)
+        return prompt_text + text, {
+            "tokens": head["tokens"] + logprobs["tokens"],
+            "token_logprobs": head["token_logprobs"] + logprobs["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + logprobs["top_logprobs"],
+            "text_offset": head["text_offset"] + [o + shift for o in logprobs["text_offset"]],
+        }
+
     def _logprobs(
         self, token_ids: list[int], lps: list[PositionLogprobs], offset: int
     ) -> dict[str, Any] | None:
@@ -166,14 +225,19 @@ class CompletionFormatter(_Formatter):
 
     def chunks(self, index: int, out: RequestOutput) -> list[str]:
         result = []
+        self._remember_prompt(index, out)
         for d in self._update(index, out):
             if not d.text and not d.newly_finished and not d.token_ids:
                 continue
             start = len(d.choice.token_ids) - len(d.token_ids)
             lp = self._logprobs(d.choice.token_ids[start:], d.logprobs, len(d.choice.text) - len(d.text))
+            text = d.text
+            if self.echo is not None and not d.choice.started:
+                d.choice.started = True
+                text, lp = self._with_echo(d.choice, text, lp)
             choice = {
                 "index": d.choice.index,
-                "text": d.text,
+                "text": text,
                 "logprobs": lp,
                 "finish_reason": d.choice.finish_reason if d.newly_finished else None,
                 "stop_reason": d.choice.stop_reason if d.newly_finished else None,
@@ -182,16 +246,20 @@ class CompletionFormatter(_Formatter):
         return result
 
     def final(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": self._logprobs(c.token_ids, c.logprobs, 0),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in self._sorted()
-        ]
+        choices = []
+        for c in self._sorted():
+            text, lp = c.text, self._logprobs(c.token_ids, c.logprobs, 0)
+            if self.echo is not None:
+                text, lp = self._with_echo(c, text, lp)
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {**self._envelope("text_completion", choices), "usage": self.usage()}
 
 

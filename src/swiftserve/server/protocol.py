@@ -85,7 +85,9 @@ class _SamplingFields(_Strict):
     priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)
     timeout: float | None = Field(default=None, gt=0, le=1e7)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=1024)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None, max_length=1024
+    )
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=1 << 20)
     bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
         default=None, max_length=128
@@ -160,6 +162,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=64)
 
     def to_sampling_params(self, defaults: Mapping[str, float]) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

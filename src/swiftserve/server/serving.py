@@ -224,6 +224,10 @@ class OpenAIServing:
         deadline = arrival + body.timeout if body.timeout is not None else None
         fmt = formatter(request_id, int(time.time()), self.settings.served_model_name, params, self.metrics)
         outputs = self._merged(prompts, params, request_id, body.priority, deadline, arrival, body.cache_salt)
+        if getattr(body, "echo", False):
+            tokenizer = self.engine.tokenizer
+            fmt.echo = [p.prompt if p.prompt is not None else tokenizer.decode(p.token_ids) for p in prompts]
+            fmt.decode = tokenizer.decode
         fmt.continuous_usage = bool(
             body.stream_options
             and body.stream_options.include_usage

@@ -25,8 +25,9 @@ class ServerSettings:
     ``allowed_hosts``: when set, the Host header (and Origin, when sent) must name one of
     these hosts (a DNS-rebinding guard); 403 otherwise. ``disable_web_ui``: no chat page or
     dashboard at ``/`` (the ``/v1/stats`` data endpoint stays, behind the API key like the rest).
-    ``embedding_workers``: encoder batches run side by side (default: one single-threaded
-    forward per core).
+    ``chat_template``: a Jinja chat template (a file, or the template text itself, as in
+    vLLM) used instead of the checkpoint's. ``embedding_workers``: encoder batches run side
+    by side (default: one single-threaded forward per core).
     """
 
     served_model_name: str | None = None
@@ -50,6 +51,7 @@ class ServerSettings:
     engine_mode: str = "process"
     log_level: str = "info"
     disable_web_ui: bool = False
+    chat_template: str | None = None
     embedding_workers: int | None = None
 
     def __post_init__(self) -> None:
