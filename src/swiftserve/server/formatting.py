@@ -186,7 +186,13 @@ class CompletionFormatter(_Formatter):
         super().add(index, out)
 
     def _remember_prompt(self, index: int, out: RequestOutput) -> None:
-        if self.echo is not None and out.prompt_logprobs and index not in self._prompts:
+        # prompt logprobs can arrive over several outputs (chunked prefill): keep the longest
+        known = self._prompts.get(index)
+        if (
+            self.echo is not None
+            and out.prompt_logprobs
+            and (known is None or len(out.prompt_logprobs) > len(known[1]))
+        ):
             self._prompts[index] = (list(out.prompt_token_ids), list(out.prompt_logprobs))
 
     def _with_echo(self, choice: _Choice, text: str, logprobs: dict[str, Any] | None) -> tuple[str, Any]:
