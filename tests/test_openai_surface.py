@@ -225,3 +225,22 @@ def test_broken_chat_template_fails_at_start(llama_dir: Path, tmp_path: Path) ->
     broken = running_server(llama_dir, "--chat-template", "{% for x in %}", log_dir=tmp_path, startup_s=60)
     with pytest.raises(RuntimeError, match="does not compile"), broken:
         pass
+
+
+def test_echo_logprobs_of_a_prompt_prefilled_in_chunks(llama_dir: Path, tmp_path: Path) -> None:
+    args = ("--max-model-len", "256", "--max-num-batched-tokens", "32", "--max-num-seqs", "4")
+    with running_server(llama_dir, *args, log_dir=tmp_path) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        prompt = [5 + (i * 7) % 300 for i in range(100)]  # four chunks of at most 32
+        reply = client.completions.create(
+            model=None,  # type: ignore[arg-type]
+            prompt=prompt,
+            max_tokens=3,
+            echo=True,
+            logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
+        lp = reply.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None
+        assert len(lp.token_logprobs) == 103 and lp.token_logprobs[0] is None
+        assert all(v is not None for v in lp.token_logprobs[1:])
