@@ -240,12 +240,13 @@ async function poll() {
       return;
     }
     state.stats = stats;
+    if ($("banner").textContent.startsWith("Error 401")) showBanner("");
+    if (state.charts && stats.samples.length === 0) return;  // nothing new: no redraw
     state.samples.push(...stats.samples);
     if (state.samples.length > HISTORY) state.samples.splice(0, state.samples.length - HISTORY);
     state.lastSeq = stats.last_seq;
     if (!state.charts) state.charts = makeCharts(stats.targets_ms || {});
     render(stats);
-    if ($("banner").textContent.startsWith("Error 401")) showBanner("");
   } catch (err) {
     showBanner(describeError(err));
   }
