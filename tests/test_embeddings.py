@@ -162,6 +162,29 @@ def test_bench_embed_client_against_the_server(server: Server) -> None:
     assert 400 < len(arrivals("bursty", 0, seed=0)) < 700  # ~540 expected over the 9 s
 
 
+def test_embedding_queue_bound_answers_503_with_retry_after(encoder_dir: Path, tmp_path: Path) -> None:
+    """--max-queued-requests bounds the embedding queue: a burst past it gets 503 +
+    Retry-After at once, everything admitted is answered, and the server keeps serving."""
+    import asyncio
+
+    with running_server(
+        encoder_dir, "--max-queued-requests", "2", "--embedding-workers", "1", log_dir=tmp_path
+    ) as s:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(
+                    *(c.post(f"{s.url}/v1/embeddings", json={"input": "word " * 200}) for _ in range(60))
+                )
+
+        replies = asyncio.run(burst())
+        codes = [r.status_code for r in replies]
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+        refused = next(r for r in replies if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "overloaded"
+        assert httpx.post(f"{s.url}/v1/embeddings", json={"input": "after"}).status_code == 200
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -50,16 +50,16 @@ def run_server(settings: ServerSettings, engine_options: dict[str, Any]) -> int:
     embedder: EmbeddingService | None = None
     embedding_name = None
     if encoder:  # an encoder as --model: an embeddings-only server
-        embedder = EmbeddingService(path, workers=settings.embedding_workers)
+        embedder = EmbeddingService(path, **_embedding_options(settings))
         embedding_name = settings.served_model_name
     else:
         engine = AsyncLLM(config, str(path), client=client)
     if settings.embedding_model:
         embedder = EmbeddingService(
             settings.embedding_model,
-            workers=settings.embedding_workers,
             # an LLM engine in this process (engine_mode thread) keeps torch's thread count
             set_threads=settings.engine_mode == "process",
+            **_embedding_options(settings),
         )
         embedding_name = settings.embedding_model_name or Path(settings.embedding_model).name
     app = create_app(engine, settings, embedder, embedding_name)
@@ -87,3 +87,12 @@ def run_server(settings: ServerSettings, engine_options: dict[str, Any]) -> int:
     startup.freeze_heap()
     asyncio.run(server.serve())
     return server.exit_code
+
+
+def _embedding_options(settings: ServerSettings) -> dict[str, Any]:
+    """Batcher options from the serve flags: side-by-side workers, and --max-queued-requests
+    as the embedding queue's bound (past it: 503 + Retry-After before latency runs away)."""
+    options: dict[str, Any] = {"workers": settings.embedding_workers}
+    if settings.max_queued_requests is not None:
+        options["max_queue_size"] = max(1, settings.max_queued_requests)
+    return options
