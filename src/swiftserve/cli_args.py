@@ -18,7 +18,7 @@ from swiftserve.config import (
     TOKENIZER_MODES,
     EngineConfig,
 )
-from swiftserve.server.settings import ENGINE_MODES, ServerSettings
+from swiftserve.server.settings import ENGINE_MODES, TOOL_CALL_PARSERS, ServerSettings
 
 _CHOICES = {
     "dtype": DTYPES,
@@ -30,6 +30,7 @@ _CHOICES = {
     "device": DEVICES,
     "load_format": LOAD_FORMATS,
     "tokenizer_mode": TOKENIZER_MODES,
+    "tool_call_parser": TOOL_CALL_PARSERS,
 }
 
 

@@ -3,13 +3,64 @@
 from __future__ import annotations
 
 import dataclasses
+import json as json_module
 from dataclasses import dataclass
+from typing import Any
 
 from swiftserve._options import check_finite, check_range, reject_unknown_options
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit value
 MAX_INT = 2**31 - 1  # counts and token ids: bounded so no tensor or message overflows
+
+
+@reject_unknown_options
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``structured_outputs``): exactly one of
+    ``json`` (a JSON schema, dict or string), ``json_object`` (any JSON object), ``regex``,
+    ``choice`` (one of these strings) or ``grammar`` (Lark, llguidance's dialect).
+
+    JSON output has no free whitespace (items ``", "``, keys ``": "``) unless
+    ``disable_any_whitespace=False``: small models that may add whitespace often never stop.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            # one text per schema (property order kept: the output follows it): the cache key
+            object.__setattr__(self, "json", json_module.dumps(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        own = "StructuredOutputsParams"
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                f"{own}: set exactly one of json, json_object, regex, choice, grammar (got {kinds or 'none'})"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"{own}.choice must be a non-empty list of non-empty strings")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{own}.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 @reject_unknown_options
@@ -48,6 +99,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Output constrained to a JSON schema, regex, choice or grammar (a dict is accepted).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise convenience forms (a single stop string, lists) into tuples.
@@ -64,6 +117,8 @@ class SamplingParams:
         object.__setattr__(
             self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids or ())
         )
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self._validate()
 
     def _validate(self) -> None:

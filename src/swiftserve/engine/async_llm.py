@@ -142,6 +142,12 @@ class AsyncLLM:
             lambda: self.inputs.process(prompt, add_special_tokens=add_special_tokens),
         )
 
+    async def check_structured(self, params: SamplingParams, field: str = "structured_outputs") -> None:
+        """Compile the request's grammar off the event loop; InvalidRequestError if it is bad."""
+        if params.structured_outputs is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._tokenize_pool, self.frontend.check_structured, params, field)
+
     async def generate(
         self,
         prompt: Prompt | ProcessedPrompt,

@@ -15,6 +15,7 @@ from swiftserve.engine.generation_config import default_sampling
 from swiftserve.engine.inputs import InputProcessor, InvalidRequestError, ProcessedPrompt, max_token_chars
 from swiftserve.engine.output_processor import OutputProcessor
 from swiftserve.sampling_params import SamplingParams
+from swiftserve.structured.grammar import GrammarCompiler, GrammarError, tokenizer_json
 
 
 def child_seed(seed: int | None, index: int, n: int) -> int | None:
@@ -37,6 +38,23 @@ class Frontend:
         self.eos_token_ids = info.eos_token_ids or ((eos,) if eos is not None else ())
         self.processor = OutputProcessor(tokenizer)
         self.default_sampling = default_sampling(model_path)
+        self.grammars = GrammarCompiler(
+            lambda: tokenizer_json(tokenizer.backend_tokenizer), info.vocab_size, self.eos_token_ids
+        )
+
+    def check_structured(self, params: SamplingParams, field: str = "structured_outputs") -> None:
+        """Compile the request's grammar (cached per spec) or raise InvalidRequestError naming
+        ``field``: a bad schema is a 400 before any engine work. Blocking: call it off the loop."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            self.grammars.validate(spec)
+        except GrammarError as e:
+            param = field if field != "structured_outputs" else f"{field}.{e.param}"
+            raise InvalidRequestError(f"{field}: {e}", param) from e
+        except AttributeError as e:  # a slow tokenizer without tokenizer.json
+            raise InvalidRequestError(f"{field}: needs a fast tokenizer (tokenizer.json)", field) from e
 
     def add_request(
         self,

@@ -86,6 +86,8 @@ class LLM:
         deadlines = [None if t is None else now + _check_timeout(t) for t in timeouts]
         # Validate everything before queueing anything: all-or-nothing.
         processed = [self.inputs.process(p, add_special_tokens=add_special_tokens) for p in items]
+        for sp in {id(sp): sp for sp in params}.values():
+            self.frontend.check_structured(sp)
         max_tokens = [
             self.inputs.max_tokens(len(p.token_ids), sp) for p, sp in zip(processed, params, strict=True)
         ]

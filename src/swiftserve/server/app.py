@@ -28,6 +28,7 @@ from swiftserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from swiftserve.server.serving import OpenAIServing, to_api_error
 from swiftserve.server.settings import ServerSettings
 from swiftserve.server.tokenize import add_tokenize_routes
+from swiftserve.server.tool_calls import with_tools
 from swiftserve.server.web_ui import add_web_routes, public_paths, sampling
 
 logger = logging.getLogger(__name__)
@@ -292,6 +293,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
         params = serving.sampling_params(lambda: body.to_sampling_params(serving.engine.default_sampling))
         if body.echo and body.logprobs is not None:  # the prompt's logprobs come back with it
             params = params.replace(prompt_logprobs=body.logprobs)
+        await serving.check_structured(params, body.structured_spec()[1])
         ticket = serving.admit(len(prompts) * body.n)
         try:
             processed = await serving.prepare(prompts, params)
@@ -307,7 +309,12 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
             raise APIError(400, "messages: must not be empty", param="messages")
         serving.check_limits(body, 1, body.top_logprobs)
         params = serving.sampling_params(lambda: body.to_sampling_params(serving.engine.default_sampling))
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            tools, params, field = with_tools(body, params, serving.settings)
+        except ValueError as e:
+            raise to_api_error(e) from e
+        await serving.check_structured(params, field)
+        conversation = [m.template_dict() for m in body.messages]
         assert engine is not None
         try:  # the character budget, before the template renders anything
             engine.inputs.check_chars(sum(len(m["content"]) for m in conversation))
@@ -322,6 +329,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
                     conversation,
                     tokenize=False,
                     add_generation_prompt=body.add_generation_prompt,
+                    tools=tools.tools if tools is not None else None,
                     **template_kwargs,
                 ),
             )
@@ -332,7 +340,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncLLM | None, serving: OpenA
         except BaseException:
             ticket.release()
             raise
-        return await serving.run(raw, body, processed, params, ChatFormatter, ticket)
+        return await serving.run(raw, body, processed, params, ChatFormatter, ticket, tools=tools)
 
 
 def _completion_prompts(prompt: Any) -> list[Any]:

@@ -10,6 +10,7 @@ from typing import Any
 from swiftserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from swiftserve.sampling_params import SamplingParams
 from swiftserve.server.metrics import ServerMetrics
+from swiftserve.server.tool_calls import ToolRequest, ToolStream
 
 
 @dataclass
@@ -272,6 +273,11 @@ class CompletionFormatter(_Formatter):
 class ChatFormatter(_Formatter):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
+    tools: ToolRequest | None = None  # set when the request offers tools (server/tool_calls.py)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tool_streams: dict[int, ToolStream] = {}
 
     def _logprobs(self, token_ids: list[int], lps: list[PositionLogprobs]) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -303,9 +309,35 @@ class ChatFormatter(_Formatter):
                 continue
             start = len(ch.token_ids) - len(d.token_ids)
             lp = self._logprobs(ch.token_ids[start:], d.logprobs)
+            if self.tools is not None:
+                result.extend(self._tool_chunks(d, lp))
+                continue
             delta = {"content": d.text} if d.text or not d.newly_finished else {}
             result.append(self._chunk(ch.index, delta, lp, ch.finish_reason if d.newly_finished else None))
         return result
+
+    def _tool_chunks(self, d: _Delta, logprobs: Any) -> list[str]:
+        """Content and tool-call deltas of one step (logprobs ride on the first chunk sent)."""
+        assert self.tools is not None
+        ch = d.choice
+        stream = self._tool_streams.setdefault(ch.index, ToolStream(self.tools))
+        deltas = stream.feed(d.text, d.newly_finished)
+        out = [
+            self._chunk(ch.index, delta, logprobs if i == 0 else None, None) for i, delta in enumerate(deltas)
+        ]
+        if d.newly_finished:
+            out.append(self._chunk(ch.index, {}, None, stream.finish_reason(ch.finish_reason)))
+        return out
+
+    def _message(self, c: _Choice) -> tuple[dict[str, Any], str | None]:
+        """The final assistant message (with parsed tool calls) and its finish reason."""
+        if self.tools is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        content, calls = self.tools.parse(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_dict() for call in calls]
+        return message, ("tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason)
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
         return self._chunk_json(
@@ -313,14 +345,16 @@ class ChatFormatter(_Formatter):
         )
 
     def final(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in self._sorted()
-        ]
+        choices = []
+        for c in self._sorted():
+            message, finish = self._message(c)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": finish,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {**self._envelope("chat.completion", choices), "usage": self.usage()}

@@ -8,12 +8,13 @@ JSON, not encodable as UTF-8) are refused before anything tokenizes them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from swiftserve.sampling_params import MAX_SEED, SamplingParams
+from swiftserve.sampling_params import MAX_SEED, SamplingParams, StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -59,6 +60,36 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str = Field(default="response", min_length=1, max_length=128)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` request field (one of json, regex, choice, grammar)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=4096)
+    choice: list[str] | None = Field(default=None, max_length=1024)
+    grammar: str | None = Field(default=None, max_length=65536)
+    json_object: bool = False
+    disable_any_whitespace: bool = True
+
+
+MAX_SCHEMA_CHARS = 65536
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
 
@@ -92,6 +123,36 @@ class _SamplingFields(_Strict):
     bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
         default=None, max_length=128
     )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    def structured_spec(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The output constraint this request asks for and the field that asked (for errors)."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise ValueError("response_format: cannot be combined with structured_outputs")
+        if so is not None:
+            try:
+                spec = StructuredOutputsParams(
+                    json=so.json_,
+                    json_object=so.json_object,
+                    regex=so.regex,
+                    choice=tuple(so.choice) if so.choice is not None else None,
+                    grammar=so.grammar,
+                    disable_any_whitespace=so.disable_any_whitespace,
+                )
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: {e}") from e
+            return _bounded(spec, "structured_outputs"), "structured_outputs"
+        if fmt is None or fmt.type == "text":
+            return None, "response_format"
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if fmt.json_schema is None or not fmt.json_schema.schema_:
+            raise ValueError("response_format: json_schema.schema is required for type json_schema")
+        return _bounded(
+            StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
+        ), "response_format"
 
     def _bias(self) -> tuple[tuple[int, float], ...]:
         """OpenAI's logit_bias: token ids as decimal strings."""
@@ -120,6 +181,7 @@ class _SamplingFields(_Strict):
             "logit_bias": self._bias(),
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": tuple(self.bad_words or ()),
+            "structured_outputs": self.structured_spec()[0],
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -128,6 +190,12 @@ class _SamplingFields(_Strict):
             if value is not None:
                 out[name] = value
         return out
+
+
+def _bounded(spec: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
+    if spec.json is not None and len(spec.json) > MAX_SCHEMA_CHARS:  # json is text by now
+        raise ValueError(f"{field}: the JSON schema is over {MAX_SCHEMA_CHARS} characters")
+    return spec
 
 
 class CompletionRequest(_SamplingFields):
@@ -145,10 +213,43 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    arguments: str = Field(max_length=1 << 20)
+
+
+class ToolCallMessage(_Strict):
+    """A call in an assistant message that the client sends back."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it (tool-call arguments as objects, as in HF)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -156,8 +257,39 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = Field(default=None, max_length=65536)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -26,6 +26,7 @@ from swiftserve.server.errors import APIError, bad_request
 from swiftserve.server.metrics import ServerMetrics
 from swiftserve.server.protocol import _SamplingFields
 from swiftserve.server.settings import ServerSettings
+from swiftserve.server.tool_calls import ToolRequest
 
 _FIELD = re.compile(r"^(?:SamplingParams\.)?(\w+)")
 
@@ -150,6 +151,14 @@ class OpenAIServing:
         except ValueError as e:
             raise to_api_error(e) from e
 
+    async def check_structured(self, params: SamplingParams, field: str) -> None:
+        """A schema, regex or grammar that cannot compile (or admits nothing) is a 400 naming
+        ``field``, before admission and any engine work; compiled off the loop, cached."""
+        try:
+            await self.engine.check_structured(params, field)
+        except ValueError as e:
+            raise to_api_error(e) from e
+
     def admit(self, num_sequences: int) -> Ticket:
         """Refuse fast (503 + Retry-After) when draining, dead, or the queue is full.
 
@@ -214,6 +223,7 @@ class OpenAIServing:
         params: SamplingParams,
         formatter: Any,
         ticket: Ticket,
+        tools: ToolRequest | None = None,
     ) -> Any:
         """Generate for every prompt; stream SSE chunks or return one JSON body.
 
@@ -223,6 +233,8 @@ class OpenAIServing:
         arrival = time.monotonic()
         deadline = arrival + body.timeout if body.timeout is not None else None
         fmt = formatter(request_id, int(time.time()), self.settings.served_model_name, params, self.metrics)
+        if tools is not None:
+            fmt.tools = tools
         outputs = self._merged(prompts, params, request_id, body.priority, deadline, arrival, body.cache_salt)
         if getattr(body, "echo", False):
             tokenizer = self.engine.tokenizer

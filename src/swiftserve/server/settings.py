@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from swiftserve._options import check_range, reject_unknown_options
 
 ENGINE_MODES = ("process", "thread")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_calls.py PARSERS
 
 
 @reject_unknown_options
@@ -27,7 +28,9 @@ class ServerSettings:
     dashboard at ``/`` (the ``/v1/stats`` data endpoint stays, behind the API key like the rest).
     ``chat_template``: a Jinja chat template (a file, or the template text itself, as in
     vLLM) used instead of the checkpoint's. ``embedding_workers``: encoder batches run side
-    by side (default: one single-threaded forward per core).
+    by side (default: one single-threaded forward per core). ``enable_auto_tool_choice`` and
+    ``tool_call_parser`` (hermes, llama3_json): as in vLLM, ``tool_choice="auto"`` needs both;
+    "required" and named functions work without (server/tool_calls.py).
     """
 
     served_model_name: str | None = None
@@ -53,6 +56,8 @@ class ServerSettings:
     disable_web_ui: bool = False
     chat_template: str | None = None
     embedding_workers: int | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         own = "ServerSettings"
@@ -64,6 +69,12 @@ class ServerSettings:
         check_range(own, "port", self.port, 0, 65535)
         for name in ("shutdown_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
             check_range(own, name, getattr(self, name), 0)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"{own}.tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"{own}.enable_auto_tool_choice needs tool_call_parser")
         if self.embedding_workers is not None:
             check_range(own, "embedding_workers", self.embedding_workers, 1, 64)
         if self.max_queued_requests is not None:

@@ -18,6 +18,7 @@ from swiftserve.model.attention import AttentionMetadata, PrefillSegment
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.model.ops import TorchOps
 from swiftserve.worker.cuda_graphs import DecodeGraphs
+from swiftserve.worker.guided import GuidedDecoding
 from swiftserve.worker.kv_memory import allocate_kv_caches
 from swiftserve.worker.sampler import Sampler, SamplingState, logprob_entries
 
@@ -45,6 +46,7 @@ class ModelRunner:
         block_size: int,
         max_num_batched_tokens: int,
         seed: int = 0,
+        guided: GuidedDecoding | None = None,
     ):
         cfg = model.config
         self.model = model
@@ -67,6 +69,7 @@ class ModelRunner:
         self._inputs = staging.to(device) if self.cuda else staging
         self._ids_t, self._pos_t, self._slots_t = self._inputs
         self.sampler = Sampler(seed)
+        self.guided = guided
         self.ops = ops
         # Prompt rows through the row attention kernel too (each row a query at its position)
         # in place of one SDPA call per prompt, where the backend says it pays.
@@ -88,9 +91,13 @@ class ModelRunner:
         for new in sched.new_requests:
             params = new.sampling_params
             gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-            self.states[new.request_id] = SamplingState(
+            state = SamplingState(
                 params, new.prompt_token_ids, list(new.output_token_ids), new.eos_token_ids, gen
             )
+            if params.structured_outputs is not None and self.guided is not None:
+                # built off-thread while this step's forward runs; replays tokens after preemption
+                state.grammar = self.guided.start(params.structured_outputs, state.output_token_ids)
+            self.states[new.request_id] = state
 
     # ---- batch preparation ---------------------------------------------------------------
     def _slots_for(self, block_ids: list[int], positions: np.ndarray) -> np.ndarray:
@@ -260,7 +267,13 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, str]], result: RunnerOutput) -> None:
         states = [self.states[rid] for _, rid in sample_rows]
-        tokens, entries = self.sampler(logits, states)
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        matchers = [states[i].grammar.result() for i in rows]  # type: ignore[union-attr]
+        grammar = (rows, self.guided.masks(matchers)) if rows and self.guided is not None else None
+        tokens, entries = self.sampler(logits, states, grammar)
+        for i, matcher in zip(rows, matchers, strict=True):
+            if matcher is not None:
+                GuidedDecoding.advance(matcher, tokens[i])
         for (_, rid), token, entry, state in zip(sample_rows, tokens, entries, states, strict=True):
             state.output_token_ids.append(token)
             result.sampled_token_ids[rid] = token

@@ -10,7 +10,9 @@ use its own seeded generator.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +29,7 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
+    grammar: Future[Any] | None = None  # the structured-output matcher (worker/guided.py)
 
 
 def logprob_entries(
@@ -56,16 +59,29 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, states: list[SamplingState]
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        grammar: tuple[list[int], torch.Tensor] | None = None,
     ) -> tuple[list[int], list[LogprobEntry | None]]:
+        """Sample one token per row. ``grammar``: (rows, [len(rows), vocab] allowed-token
+        booleans) of the rows under structured output; logprobs stay those of the raw logits."""
         want_lp = [s.params.logprobs for s in states]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
+        guided = None
+        if grammar is not None and grammar[0]:
+            grammar_rows = torch.tensor(grammar[0])
+            masked = logits.index_select(0, grammar_rows).masked_fill(~grammar[1], float("-inf"))
+            guided = (grammar_rows, masked)
+            logits = logits.index_copy(0, grammar_rows, masked)
         if any(s.params.has_token_rules for s in states):
             logits = self._apply_token_rules(logits, states)
         if any(s.params.min_tokens for s in states):
             logits = self._mask_min_tokens(logits, states)
         if any(s.params.uses_penalties for s in states):
             logits = self._apply_penalties(logits, states)
+        if guided is not None:
+            logits = _keep_grammar_alive(logits, *guided)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
@@ -159,6 +175,16 @@ class Sampler:
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _keep_grammar_alive(logits: torch.Tensor, rows: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """A grammar row that the other rules left with no token at all (min_tokens banning the
+    EOS the finished grammar requires, say) samples from the grammar alone: the grammar wins."""
+    dead = torch.isneginf(logits.index_select(0, rows)).all(dim=-1)
+    if not bool(dead.any()):
+        return logits
+    keep = rows[dead]
+    return logits.index_copy(0, keep, masked[dead])
 
 
 def filter_logits(

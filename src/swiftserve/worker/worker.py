@@ -21,6 +21,7 @@ from swiftserve.model.config import ModelConfig
 from swiftserve.model.loader import load_model
 from swiftserve.model.ops import KernelOptions, select_ops
 from swiftserve.model.quant_linear import quantize_model, weight_bytes
+from swiftserve.worker.guided import GuidedDecoding
 from swiftserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class Worker:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        self.model_dir = Path(model_dir)
         self.device = resolve_device(config.device)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
@@ -191,6 +193,9 @@ class Worker:
                 block_size=self.config.block_size,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 seed=self.config.seed,
+                guided=GuidedDecoding(
+                    self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
+                ),
             )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
         # graphs need every attention row on the paged kernel (fixed shapes, no per-step mask)
