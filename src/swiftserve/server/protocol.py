@@ -224,6 +224,7 @@ class ToolCallMessage(_Strict):
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(default=None, ge=0, le=INT32_MAX)  # kept by streamed reassembly
 
 
 class ChatMessage(_Strict):

@@ -2,8 +2,10 @@
 
 A matcher is built on a background thread when its request is first scheduled (llguidance
 drops the GIL while it builds), so the build overlaps that step's forward pass; the first
-sampling step waits for it. A request scheduled again after preemption rebuilds its matcher
-and replays the tokens it already produced, so recompute never loses the grammar state.
+sampling step waits for it. Preemption by recompute keeps the runner's per-request state (the
+scheduler does not send a preempted request as new again), so its matcher simply carries on:
+recomputed rows do not sample and never advance it. A request that does arrive with output
+already produced (a rebuilt worker) gets a fresh matcher that replays those tokens.
 Each step: fill one bitmask row per constrained request, unpack it into a boolean mask for
 the sampler, then advance every matcher by the token it sampled.
 """
