@@ -42,7 +42,7 @@ screenshots: install browser
 		$(BIN)/python -m pytest tests/test_web_ui.py -k chat_streams
 
 serve: install
-	$(BIN)/swiftserve serve
+	$(BIN)/swiftserve serve --enable-auto-tool-choice --tool-call-parser hermes
 
 clean:
 	rm -rf $(VENV)
