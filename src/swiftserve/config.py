@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from swiftserve._options import check_range, reject_unknown_options
 
@@ -16,6 +18,58 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 TOKENIZER_MODES = ("auto", "hf")
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@reject_unknown_options
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``. ``method="ngram"`` (prompt lookup): the last n tokens
+    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked up earlier in
+    the prompt and output, and the ``num_speculative_tokens`` that followed them are proposed.
+    A draft ``model`` is not supported yet (a clear error)."""
+
+    num_speculative_tokens: int = 3
+    method: str | None = None
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        own = "speculative_config"
+        method = self.method or ("draft_model" if self.model else None)
+        if method == "draft_model":
+            raise ValueError(f"{own}: a draft model is not supported yet; use method 'ngram'")
+        if method != "ngram":
+            raise ValueError(f"{own}.method must be 'ngram', got {self.method!r}")
+        object.__setattr__(self, "method", method)
+        _positive_int(own, "num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"{own}.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
+        high = self.prompt_lookup_max or self.prompt_lookup_min or 4
+        low = self.prompt_lookup_min or min(high, 2)
+        for name, value in (("prompt_lookup_max", high), ("prompt_lookup_min", low)):
+            _positive_int(own, name, value, 1)
+            if value > 64:
+                raise ValueError(f"{own}.{name} must be <= 64, got {value}")
+        if low > high:
+            raise ValueError(f"{own}: prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+        object.__setattr__(self, "prompt_lookup_max", high)
+        object.__setattr__(self, "prompt_lookup_min", low)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From a SpeculativeConfig, a dict, or its JSON text (the CLI flag)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        return cls(**value)
 
 
 @reject_unknown_options
@@ -46,7 +100,9 @@ class EngineConfig:
     ``max_num_seqs``) unless ``enforce_eager``. ``load_format="dummy"``: seeded random weights
     from config.json alone (benchmarks of big shapes). ``tokenizer_mode``: "auto" loads a
     generic tokenizer.json with the ``tokenizers`` library (no transformers import at start),
-    "hf" always through ``transformers.AutoTokenizer``.
+    "hf" always through ``transformers.AutoTokenizer``. ``speculative_config`` (a dict, JSON
+    text or SpeculativeConfig): n-gram speculative decoding, verified exactly (core/ngram.py,
+    worker/spec_verify.py).
     """
 
     model: str | None = None
@@ -81,9 +137,12 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     load_format: str = "auto"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"{own}.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in POLICIES:

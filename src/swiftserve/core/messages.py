@@ -45,6 +45,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     prompt_logprob_start: int | None = None  # first prompt position to report, or None
+    num_spec: int = 0  # the last num_spec of token_ids are draft tokens to verify
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, LogprobEntry] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    # speculative rows: the accepted drafts plus one token sampled after them, and their logprobs
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ from swiftserve.core.deadlines import DeadlineKeeper
 from swiftserve.core.messages import (
     EngineCoreOutput,
     NewRequestData,
-    RequestTimes,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
+from swiftserve.core.ngram import NgramProposer, SpecDecodeStats
+from swiftserve.core.outputs import deadline_output, latencies, request_times, sampled_tokens
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
 from swiftserve.core.slo import BudgetPlanner, Pending, SLOTargets
@@ -62,6 +63,7 @@ class Scheduler:
         deadline_scheduling: bool = True,
         targets: SLOTargets | None = None,
         clock: Callable[[], float] = time.monotonic,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.clock = clock  # injectable: the SLO tests run the scheduler on a simulated clock
         self.bm = block_manager
@@ -86,6 +88,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
         self._new_ids: set[str] = set()
+        self.proposer = proposer
+        self.spec = SpecDecodeStats()
+        self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,12 +131,14 @@ class Scheduler:
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
         ):
-            self.planner.observe_finished(*_latencies(request))
+            self.planner.observe_finished(*latencies(request))
         self.bm.free(request)
         del self.requests[request.request_id]
         self.deadlines.track(request, -1)
         self._new_ids.discard(request.request_id)
         self._finished_ids.add(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
 
     # ---- scheduling ----------------------------------------------------------------------
     def _key(self, request: Request) -> tuple[float, float]:
@@ -145,6 +152,7 @@ class Scheduler:
         self.running.remove(victim)
         self.bm.free(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.set_status(RequestStatus.PREEMPTED)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -161,9 +169,17 @@ class Scheduler:
         preempted: list[str] = []
         self.running.sort(key=self._key)
         index = 0
+        self._drafts = {}
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
+            if drafts and self.bm.allocate_slots(request, 1 + len(drafts)):
+                self._drafts[request.request_id] = drafts  # verified with the last token
+                scheduled[request.request_id] = 1 + len(drafts)
+                budget -= 1 + len(drafts)
+                index += 1
+                continue
             while not self.bm.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 budget += self._preempt(victim, scheduled)
@@ -253,6 +269,8 @@ class Scheduler:
             if num_new is None:
                 continue
             start = request.num_computed_tokens
+            drafts = self._drafts.get(request.request_id, [])
+            num_new -= len(drafts)
             if request.request_id in self._new_ids:
                 self._new_ids.discard(request.request_id)
                 new.append(
@@ -267,11 +285,12 @@ class Scheduler:
             items.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.token_ids(start, start + num_new),
+                    token_ids=request.token_ids(start, start + num_new) + drafts,
                     start_pos=start,
                     block_ids=list(self.bm.block_table(request.request_id)),
                     sample=start + num_new == request.num_tokens,
                     prompt_logprob_start=self._prompt_logprob_start(request, start),
+                    num_spec=len(drafts),
                 )
             )
         finished = frozenset(self._finished_ids)
@@ -288,44 +307,60 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advance requests by a finished step; finish those that stopped."""
-        outputs = [self.deadline_output(r) for r in self.deadlines.take_failed()]
+        outputs = [deadline_output(r) for r in self.deadlines.take_failed()]
         now = self.clock()
         for item in sched.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted in between
-            request.num_computed_tokens += len(item.token_ids)
+            tokens, logprobs = sampled_tokens(item, result)
+            # drafts the verifier rejected leave no computed tokens behind (their KV slots
+            # are simply overwritten later): computed = the step's tokens less the rejected
+            rejected = item.num_spec - max(len(tokens) - 1, 0)
+            request.num_computed_tokens += len(item.token_ids) - rejected
             if item.prompt_logprob_start is not None:
                 request.prompt_logprob_pos = request.num_computed_tokens
-            self.bm.cache_full_blocks(request)
             new_tokens: list[int] = []
             status: RequestStatus | None = None
-            token = result.sampled_token_ids.get(item.request_id) if item.sample else None
-            if token is not None:
+            for token in tokens:
                 new_tokens.append(token)
                 request.output_token_ids.append(token)
                 if request.first_token_time is None:
                     request.first_token_time = now
                 status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            if item.num_spec:  # a stop inside the accepted drafts: only what precedes it counts
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.bm.cache_full_blocks(request)
+            self.spec.observe(item.num_spec, max(len(tokens) - 1, 0), len(new_tokens))
+            if status is None and new_tokens and self.proposer is not None:
+                request.spec_token_ids = self.proposer.propose(request, self._draft_limit(request))
             prompt_lps = result.prompt_logprobs.get(item.request_id)
             if not new_tokens and prompt_lps is None:
                 continue
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
-            logprob = result.logprobs.get(item.request_id)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
                     new_token_ids=new_tokens,
-                    new_logprobs=[logprob] if logprob is not None else [],
+                    new_logprobs=logprobs[: len(new_tokens)],
                     prompt_logprobs=prompt_lps,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
-                    times=self.times(request),
+                    times=request_times(request),
                 )
             )
         return outputs
+
+    def _draft_limit(self, request: Request) -> int:
+        """Drafts the next step may verify: every emitted token must fit max_tokens and the
+        context (a step emits the accepted drafts plus one)."""
+        return (
+            min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        )
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -339,28 +374,6 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def deadline_output(self, request: Request) -> EngineCoreOutput:
-        """The output that ends a request the deadline check failed."""
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            new_logprobs=[],
-            prompt_logprobs=None,
-            finish_reason=RequestStatus.FINISHED_DEADLINE.finish_reason,
-            stop_reason=request.stop_reason,
-            times=self.times(request),
-        )
-
-    @staticmethod
-    def times(request: Request) -> RequestTimes:
-        return RequestTimes(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
-            num_preemptions=request.num_preemptions,
-        )
-
     # ---- introspection -------------------------------------------------------------------
     def slo_stats(self) -> dict[str, float]:
         """Deadline counters and the budget planner's state (for /metrics)."""
@@ -370,6 +383,7 @@ class Scheduler:
             "num_steps": float(self.num_steps),
             "scheduled_rows": float(self.scheduled_rows),
             **self.deadlines.stats(),
+            **self.spec.stats(),
         }
         if self.planner is not None:
             stats.update(self.planner.stats())
@@ -385,14 +399,3 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
-
-
-def _latencies(request: Request) -> tuple[float | None, float | None]:
-    """(TTFT, TPOT) of a finished request, as the engine measured them."""
-    first = request.first_token_time
-    if first is None:
-        return None, None
-    tpot = None
-    if request.num_output_tokens > 1 and request.finished_time is not None:
-        tpot = (request.finished_time - first) / (request.num_output_tokens - 1)
-    return first - request.arrival_time, tpot

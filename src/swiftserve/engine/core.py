@@ -15,6 +15,7 @@ from pathlib import Path
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
 from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest
+from swiftserve.core.ngram import NgramProposer
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.scheduler import Scheduler
 from swiftserve.core.slo import SLOTargets
@@ -34,6 +35,14 @@ class EngineCore:
         blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(blocks)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+        spec = config.speculative_config
+        proposer = (
+            NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min or 1, spec.prompt_lookup_max or 1
+            )
+            if spec is not None
+            else None
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -48,6 +57,7 @@ class EngineCore:
                 config.target_ttft_ms / 1000 if config.target_ttft_ms else None,
                 config.target_tpot_ms / 1000 if config.target_tpot_ms else None,
             ),
+            proposer=proposer,
         )
         # Everything allocated so far lives as long as the engine: keep the cyclic GC from
         # walking it on every collection during steps (DESIGN.md, performance rules).

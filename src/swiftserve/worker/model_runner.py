@@ -21,6 +21,7 @@ from swiftserve.worker.cuda_graphs import DecodeGraphs
 from swiftserve.worker.guided import GuidedDecoding
 from swiftserve.worker.kv_memory import allocate_kv_caches
 from swiftserve.worker.sampler import Sampler, SamplingState, logprob_entries
+from swiftserve.worker.spec_verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class _Batch:
     order: list[ScheduledRequest]
     sample_rows: list[tuple[int, str]]  # (row, request_id)
     prompt_rows: list[tuple[str, list[int], list[int]]]  # (request_id, rows, target tokens)
+    spec_rows: list[tuple[str, list[int], list[int]]]  # (request_id, rows of the last token + drafts, drafts)
 
 
 class ModelRunner:
@@ -110,6 +112,7 @@ class ModelRunner:
         order = decode + prefill
         sample_rows: list[tuple[int, str]] = []
         prompt_rows: list[tuple[str, list[int], list[int]]] = []
+        spec_rows: list[tuple[str, list[int], list[int]]] = []
         decode_tables = decode_mask = None
         num_decode = len(decode)
         if decode:
@@ -126,7 +129,10 @@ class ModelRunner:
             self._slots[row : row + n] = self._slots_for(s.block_ids, positions)
             if not self.fused_prefill:
                 segments.append(self._segment(s, row, positions))
-            if s.sample:
+            if s.num_spec:  # verify: logits at the last token and at every draft
+                rows = list(range(row + n - 1 - s.num_spec, row + n))
+                spec_rows.append((s.request_id, rows, s.token_ids[n - s.num_spec :]))
+            elif s.sample:
                 sample_rows.append((row + n - 1, s.request_id))
             if s.prompt_logprob_start is not None:
                 prompt_rows.append(self._prompt_rows(s, row))
@@ -148,7 +154,7 @@ class ModelRunner:
             window=self.window,
             ops=self.ops,
         )
-        return _Batch(row, meta, order, sample_rows, prompt_rows)
+        return _Batch(row, meta, order, sample_rows, prompt_rows, spec_rows)
 
     def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(self.device, non_blocking=True)
@@ -232,6 +238,8 @@ class ModelRunner:
         t = batch.num_tokens
         hidden = self.model(self._ids_t[:t], self._pos_t[:t], self.kv_caches, batch.meta)
         rows = [r for r, _ in batch.sample_rows]
+        for _, spec_rows, _ in batch.spec_rows:
+            rows.extend(spec_rows)
         for _, prompt_rows, _ in batch.prompt_rows:
             rows.extend(prompt_rows)
         if not rows:
@@ -240,10 +248,25 @@ class ModelRunner:
         if self.cuda:
             logits = logits.cpu()  # the sampler's per-request generators live on the host
         num_sample = len(batch.sample_rows)
+        num_spec = sum(len(r) for _, r, _ in batch.spec_rows)
         if num_sample:
             self._sample(logits[:num_sample], batch.sample_rows, result)
-        self._prompt_logprobs(logits[num_sample:], batch, result)
+        if num_spec:
+            self._verify(logits[num_sample : num_sample + num_spec], batch.spec_rows, result)
+        self._prompt_logprobs(logits[num_sample + num_spec :], batch, result)
         return result
+
+    def _verify(
+        self, logits: torch.Tensor, spec_rows: list[tuple[str, list[int], list[int]]], result: RunnerOutput
+    ) -> None:
+        """Accept or reject each request's drafts (worker/spec_verify.py)."""
+        states = [self.states[rid] for rid, _, _ in spec_rows]
+        emitted, logprobs = verify(logits, [d for _, _, d in spec_rows], states, self.sampler.generator)
+        for (rid, _, _), tokens, lps, state in zip(spec_rows, emitted, logprobs, states, strict=True):
+            state.output_token_ids.extend(tokens)
+            result.spec_token_ids[rid] = tokens
+            if lps is not None:
+                result.spec_logprobs[rid] = lps
 
     def _graph_step(self, scheduled: list[ScheduledRequest]) -> bool:
         """Decode-only steps where every row samples and a captured bucket holds the batch."""

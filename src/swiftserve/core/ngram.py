@@ -1,0 +1,100 @@
+"""N-gram (prompt lookup) proposals for speculative decoding. Pure Python, no torch.
+
+For a request whose last n tokens occurred earlier in its prompt or output, propose the k
+tokens that followed the most recent earlier occurrence (n from ``max_n`` down to ``min_n``:
+the longest match wins). Each request keeps an index from n-gram to the position after its
+latest earlier occurrence, extended by O(max_n) dict writes per new token, so a proposal
+costs a few lookups however long the context.
+
+Only requests whose sampling the verifier reproduces exactly are eligible: no penalties,
+token rules, pending ``min_tokens``, structured output or prompt logprobs (their logits
+depend on tokens the verifier would have to replay); the rest decode one token a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swiftserve.core.request import Request
+
+
+@dataclass
+class _Index:
+    indexed: int = 0  # positions [0, indexed) have their n-grams in ``after``
+    after: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+
+def eligible(request: Request) -> bool:
+    """Whether speculation keeps this request's output exact (see the module docstring)."""
+    p = request.sampling_params
+    return not (
+        p.uses_penalties
+        or p.has_token_rules
+        or p.structured_outputs is not None
+        or p.prompt_logprobs is not None
+        or request.num_output_tokens < p.min_tokens
+    )
+
+
+class NgramProposer:
+    """Proposes up to ``k`` draft tokens per request by prompt lookup."""
+
+    def __init__(self, k: int, min_n: int, max_n: int):
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+        self._indexes: dict[str, _Index] = {}
+
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """Draft tokens to verify in the request's next step (at most ``limit``)."""
+        k = min(self.k, limit)
+        if k <= 0 or not eligible(request):
+            return []
+        tokens = request.prompt_token_ids + request.output_token_ids
+        index = self._indexes.setdefault(request.request_id, _Index())
+        self._extend(index, tokens)
+        end = len(tokens)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            start = index.after.get(tuple(tokens[end - n :]))
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+    def _extend(self, index: _Index, tokens: list[int]) -> None:
+        """Index every n-gram that is followed by a token, i.e. ends before the last token."""
+        for pos in range(max(index.indexed, 1), len(tokens)):  # n-grams ending just before pos
+            for n in range(self.min_n, min(self.max_n, pos) + 1):
+                index.after[tuple(tokens[pos - n : pos])] = pos
+        index.indexed = max(index.indexed, len(tokens))
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters as vLLM names them: drafts (steps with proposals), draft tokens proposed,
+    accepted, and tokens emitted by those steps (accepted + the one sampled after them)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+
+    def observe(self, proposed: int, accepted: int, emitted: int) -> None:
+        if proposed:
+            self.num_drafts += 1
+            self.num_draft_tokens += proposed
+            self.num_accepted_tokens += accepted
+            self.num_emitted_tokens += emitted
+
+    def stats(self) -> dict[str, float]:
+        """For /metrics and bench JSON (``spec_decode_`` prefix)."""
+        return {f"spec_decode_{k}": float(v) for k, v in vars(self).items()}
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying step (vLLM's: 1 + accepted per draft)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
