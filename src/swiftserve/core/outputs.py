@@ -34,6 +34,7 @@ def request_times(request: Request) -> RequestTimes:
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         finished_time=request.finished_time,
+        num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,
     )
 

@@ -71,6 +71,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     prompt_logprob_pos: int = 0  # prompt positions whose logprobs were already reported
     block_hashes: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step

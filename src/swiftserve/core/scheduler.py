@@ -221,6 +221,7 @@ class Scheduler:
             request.set_status(RequestStatus.RUNNING)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+                request.num_cached_tokens = num_computed
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new

@@ -49,6 +49,7 @@ class RequestState:
     sequences: dict[str, _Sequence]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -125,6 +126,7 @@ class OutputProcessor:
                 t.finished_time,
                 t.num_preemptions,
             )
+            state.num_cached_tokens = t.num_cached_tokens
             touched[parent_id] = state
         return list(touched.values()), to_abort
 
@@ -188,4 +190,5 @@ class OutputProcessor:
             finished=state.finished,
             prompt_logprobs=state.prompt_logprobs,
             metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
         )

@@ -28,6 +28,16 @@ class ServerMetrics:
         self.prefix_queries = Gauge("swiftserve:prefix_cache_queries", "Prompt tokens looked up", registry=r)
         self.prefix_hits = Gauge("swiftserve:prefix_cache_hits", "Prompt tokens found cached", registry=r)
         self.preemptions = Gauge("swiftserve:num_preemptions_total", "Preemptions so far", registry=r)
+        # speculative decoding, vLLM's names (counts so far; the engine's counters)
+        self.spec = {
+            name: Gauge(f"swiftserve:spec_decode_{name}", text, registry=r)
+            for name, text in (
+                ("num_drafts", "Steps that verified drafts"),
+                ("num_draft_tokens", "Draft tokens proposed"),
+                ("num_accepted_tokens", "Draft tokens accepted"),
+                ("num_emitted_tokens", "Tokens emitted by verifying steps"),
+            )
+        }
         self.frontend_requests = Gauge(
             "swiftserve:frontend_requests", "Requests holding frontend state (queue, detokenizer)", registry=r
         )
@@ -146,6 +156,8 @@ class ServerMetrics:
             self.deadline_failed.labels(reason="infeasible").set(stats["deadline_infeasible"])
             self.deadline_wasted.set(stats["deadline_wasted_tokens"])
             self.computed_tokens.set(stats["computed_tokens"])
+            for name, gauge in self.spec.items():
+                gauge.set(stats.get(f"spec_decode_{name}", 0.0))
         if "frontend_requests" in stats:
             self.frontend_requests.set(stats["frontend_requests"])
         if embedding is not None:
