@@ -105,6 +105,7 @@ _BENCHES: list[tuple[str, str, str, Callable[[argparse.Namespace], int] | str, b
     ("startup", "startup", "cold start: serve to healthy / first token, LLM(...)", "run", False),
     ("dashboard", "dashboard", "serving latency with the dashboard open vs closed", "main", False),
     ("embed", "embed", "/v1/embeddings load (bursty, steady) against several servers", "main", False),
+    ("spec", "spec_decode", "TPOT with and without n-gram speculation (copy-heavy or random)", "run", True),
     ("structured", "structured", "tokens/s free vs under a JSON schema; schema compile time", "run", True),
 ]
 

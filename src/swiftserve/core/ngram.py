@@ -1,9 +1,10 @@
 """N-gram (prompt lookup) proposals for speculative decoding. Pure Python, no torch.
 
 For a request whose last n tokens occurred earlier in its prompt or output, propose the k
-tokens that followed the most recent earlier occurrence (n from ``max_n`` down to ``min_n``:
-the longest match wins). Each request keeps an index from n-gram to the position after its
-latest earlier occurrence, extended by O(max_n) dict writes per new token, so a proposal
+tokens that followed their first occurrence (n from ``max_n`` down to ``min_n``: the longest
+match wins; the first occurrence, as in vLLM, leaves the most tokens after it, which in a
+loop is the whole period k times over). Each request keeps an index from n-gram to the
+position after its first occurrence, extended by O(max_n) dict writes per new token, so a proposal
 costs a few lookups however long the context.
 
 Only requests whose sampling the verifier reproduces exactly are eligible: no penalties,
@@ -16,12 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from swiftserve.core.request import Request
+from swiftserve.core.step_cost import StepCostModel
+
+MAX_COOLDOWN = 16  # steps without proposals after repeated misses, at most
 
 
 @dataclass
 class _Index:
     indexed: int = 0  # positions [0, indexed) have their n-grams in ``after``
     after: dict[tuple[int, ...], int] = field(default_factory=dict)
+    misses: int = 0  # drafts rejected in full, in a row
+    cooldown: int = 0  # steps to skip before proposing again
 
 
 def eligible(request: Request) -> bool:
@@ -42,6 +48,18 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int):
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self._indexes: dict[str, _Index] = {}
+        self.acceptance = 1.0  # moving average of accepted / proposed, optimistic at first
+
+    def pays(self, cost: StepCostModel, decode_rows: int, step: int) -> bool:
+        """Whether verifying drafts is worth it this step. A draft token costs about one more
+        token of compute (c, fitted online); it saves a decode step's share per request
+        (T / rows) when accepted: so it pays while acceptance x T / rows > c. Small models
+        at large batches are compute-bound and fail this; one step in 16 still speculates, to
+        keep measuring acceptance."""
+        if not cost.ready or step % 16 == 0:
+            return True
+        per_token = cost.coef[1]
+        return self.acceptance * cost.predict(0, decode_rows) > per_token * max(decode_rows, 1)
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Draft tokens to verify in the request's next step (at most ``limit``)."""
@@ -51,6 +69,9 @@ class NgramProposer:
         tokens = request.prompt_token_ids + request.output_token_ids
         index = self._indexes.setdefault(request.request_id, _Index())
         self._extend(index, tokens)
+        if index.cooldown:
+            index.cooldown -= 1
+            return []
         end = len(tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             start = index.after.get(tuple(tokens[end - n :]))
@@ -62,8 +83,21 @@ class NgramProposer:
         """Index every n-gram that is followed by a token, i.e. ends before the last token."""
         for pos in range(max(index.indexed, 1), len(tokens)):  # n-grams ending just before pos
             for n in range(self.min_n, min(self.max_n, pos) + 1):
-                index.after[tuple(tokens[pos - n : pos])] = pos
+                index.after.setdefault(tuple(tokens[pos - n : pos]), pos)
         index.indexed = max(index.indexed, len(tokens))
+
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Back off after drafts rejected in full (1, 3, 7, 15, 16 steps without proposals):
+        where lookups keep failing (sampled text, say), verification rows cost without paying."""
+        index = self._indexes.get(request_id)
+        if index is None:
+            return
+        self.acceptance += 0.05 * (accepted / max(proposed, 1) - self.acceptance)
+        if accepted:
+            index.misses = 0
+            return
+        index.misses += 1
+        index.cooldown = min(2**index.misses - 1, MAX_COOLDOWN)
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

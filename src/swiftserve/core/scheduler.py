@@ -170,10 +170,12 @@ class Scheduler:
         self.running.sort(key=self._key)
         index = 0
         self._drafts = {}
+        decode_rows = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        speculate = self.proposer is not None and self.proposer.pays(self.cost, decode_rows, self.num_steps)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
+            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 and speculate else []
             if drafts and self.bm.allocate_slots(request, 1 + len(drafts)):
                 self._drafts[request.request_id] = drafts  # verified with the last token
                 scheduled[request.request_id] = 1 + len(drafts)
@@ -335,6 +337,8 @@ class Scheduler:
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             self.bm.cache_full_blocks(request)
             self.spec.observe(item.num_spec, max(len(tokens) - 1, 0), len(new_tokens))
+            if item.num_spec and self.proposer is not None:
+                self.proposer.observe(request.request_id, item.num_spec, max(len(tokens) - 1, 0))
             if status is None and new_tokens and self.proposer is not None:
                 request.spec_token_ids = self.proposer.propose(request, self._draft_limit(request))
             prompt_lps = result.prompt_logprobs.get(item.request_id)
