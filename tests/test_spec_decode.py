@@ -20,7 +20,14 @@ from swiftserve.core.request import Request
 from swiftserve.worker.sampler import SamplingState
 from swiftserve.worker.spec_verify import verify
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# adaptive off: these tests want every proposal verified, whatever the step cost says
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "adaptive": False,
+}
 # copy-heavy prompts (a pattern repeated) so drafts are proposed and often accepted
 PROMPTS: list[Any] = [
     {"prompt_token_ids": list(range(20, 36)) * 4},
@@ -81,6 +88,25 @@ def test_prefix_cache_after_rollbacks_stays_exact(llama_dir: Path) -> None:
     assert any(o.num_cached_tokens for o in cached)
 
 
+@pytest.mark.parametrize(
+    "rules",
+    [
+        {"repetition_penalty": 1.05},
+        {"min_tokens": 20, "logit_bias": {35: 3.0, 399: -2.0}},
+        {"bad_words": ["ab"], "presence_penalty": 0.3},
+    ],
+    ids=["penalties", "min_tokens_bias", "bad_words"],
+)
+def test_greedy_identical_with_rules_that_read_the_output(llama_dir: Path, rules: dict[str, Any]) -> None:
+    """Penalties, min_tokens and token rules are applied at each draft position as if the
+    drafts before it had been emitted: still token-for-token identical."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, **rules)
+    plain, _ = _run(llama_dir, None, params)
+    spec, llm = _run(llama_dir, NGRAM, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.scheduler.spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_stops_max_tokens_and_logprobs(llama_dir: Path) -> None:
     base = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
     plain, _ = _run(llama_dir, None, base)
@@ -114,7 +140,14 @@ def _state(**params: Any) -> SamplingState:
     return SamplingState(SamplingParams(**params), [1])
 
 
-@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 1.3, "top_k": 4, "top_p": 0.9}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 1.3, "top_k": 4, "top_p": 0.9},
+        {"temperature": 1.0, "repetition_penalty": 1.8, "frequency_penalty": 0.5},
+    ],
+)
 def test_verifier_keeps_the_target_distribution(params: dict[str, Any]) -> None:
     """Chi-square over a 6-token vocabulary: the first emitted token follows row 0's processed
     distribution; after an accepted first draft, the second follows row 1's."""
@@ -131,9 +164,11 @@ def test_verifier_keeps_the_target_distribution(params: dict[str, Any]) -> None:
         firsts[emitted[0][0]] += 1
         if emitted[0][0] == drafts[0]:
             seconds[emitted[0][1]] += 1
-    from swiftserve.worker.spec_verify import _processed_probs
+    from swiftserve.worker.sampler import Sampler
+    from swiftserve.worker.spec_verify import _processed_probs, _row_states
 
-    target = _processed_probs(logits, [state], [3])
+    # row j's target: as the one-token sampler would process it after drafts[:j] were emitted
+    target = _processed_probs(Sampler.apply_rules(logits, _row_states([drafts], [state])), [state], [3])
     for counts, row in ((firsts, target[0]), (seconds, target[1])):
         total = sum(counts.values())
         support = [t for t in range(6) if row[t] > 0]
@@ -163,8 +198,10 @@ def test_ngram_proposer_longest_latest_match() -> None:
     assert proposer.propose(req, limit=10) == [9, 2, 3]  # incremental index: "2 3 4" -> 9 ...
     assert proposer.propose(req, limit=1) == [9]
     assert proposer.propose(Request("s", [1, 2, 3], SamplingParams()), limit=5) == []
+    guided = Request("g", [1, 2, 1, 2], SamplingParams(structured_outputs={"regex": "[12]+"}), max_tokens=9)
+    assert proposer.propose(guided, limit=5) == []  # not eligible: the grammar would have to follow drafts
     penalised = Request("p", [1, 2, 1, 2], SamplingParams(repetition_penalty=1.2), max_tokens=9)
-    assert proposer.propose(penalised, limit=5) == []  # not eligible: verification would not be exact
+    assert proposer.propose(penalised, limit=5) == [1, 2]  # penalties are applied per draft position
 
 
 @pytest.mark.parametrize(

@@ -27,13 +27,15 @@ class SpeculativeConfig:
     """vLLM's ``speculative_config``. ``method="ngram"`` (prompt lookup): the last n tokens
     (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked up earlier in
     the prompt and output, and the ``num_speculative_tokens`` that followed them are proposed.
-    A draft ``model`` is not supported yet (a clear error)."""
+    A draft ``model`` is not supported yet (a clear error). ``adaptive`` (ours): speculate
+    only in steps where the measured acceptance pays for the extra rows (core/ngram.py)."""
 
     num_speculative_tokens: int = 3
     method: str | None = None
     model: str | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    adaptive: bool = True  # verify drafts only while the fitted step cost says it pays
 
     def __post_init__(self) -> None:
         own = "speculative_config"

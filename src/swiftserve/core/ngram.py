@@ -7,9 +7,9 @@ loop is the whole period k times over). Each request keeps an index from n-gram 
 position after its first occurrence, extended by O(max_n) dict writes per new token, so a proposal
 costs a few lookups however long the context.
 
-Only requests whose sampling the verifier reproduces exactly are eligible: no penalties,
-token rules, pending ``min_tokens``, structured output or prompt logprobs (their logits
-depend on tokens the verifier would have to replay); the rest decode one token a step.
+Requests under structured output or asking for prompt logprobs are not eligible (the grammar
+would have to advance through the drafts); they decode one token a step. Penalties, token
+rules and min_tokens are applied per draft position by the verifier (worker/spec_verify.py).
 """
 
 from __future__ import annotations
@@ -33,20 +33,14 @@ class _Index:
 def eligible(request: Request) -> bool:
     """Whether speculation keeps this request's output exact (see the module docstring)."""
     p = request.sampling_params
-    return not (
-        p.uses_penalties
-        or p.has_token_rules
-        or p.structured_outputs is not None
-        or p.prompt_logprobs is not None
-        or request.num_output_tokens < p.min_tokens
-    )
+    return p.structured_outputs is None and p.prompt_logprobs is None
 
 
 class NgramProposer:
     """Proposes up to ``k`` draft tokens per request by prompt lookup."""
 
-    def __init__(self, k: int, min_n: int, max_n: int):
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+    def __init__(self, k: int, min_n: int, max_n: int, adaptive: bool = True):
+        self.k, self.min_n, self.max_n, self.adaptive = k, min_n, max_n, adaptive
         self._indexes: dict[str, _Index] = {}
         self.acceptance = 1.0  # moving average of accepted / proposed, optimistic at first
 
@@ -56,7 +50,7 @@ class NgramProposer:
         (T / rows) when accepted: so it pays while acceptance x T / rows > c. Small models
         at large batches are compute-bound and fail this; one step in 16 still speculates, to
         keep measuring acceptance."""
-        if not cost.ready or step % 16 == 0:
+        if not self.adaptive or not cost.ready or step % 16 == 0:
             return True
         per_token = cost.coef[1]
         return self.acceptance * cost.predict(0, decode_rows) > per_token * max(decode_rows, 1)

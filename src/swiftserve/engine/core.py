@@ -38,7 +38,10 @@ class EngineCore:
         spec = config.speculative_config
         proposer = (
             NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min or 1, spec.prompt_lookup_max or 1
+                spec.num_speculative_tokens,
+                spec.prompt_lookup_min or 1,
+                spec.prompt_lookup_max or 1,
+                spec.adaptive,
             )
             if spec is not None
             else None

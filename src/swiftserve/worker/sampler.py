@@ -74,12 +74,7 @@ class Sampler:
             masked = logits.index_select(0, grammar_rows).masked_fill(~grammar[1], float("-inf"))
             guided = (grammar_rows, masked)
             logits = logits.index_copy(0, grammar_rows, masked)
-        if any(s.params.has_token_rules for s in states):
-            logits = self._apply_token_rules(logits, states)
-        if any(s.params.min_tokens for s in states):
-            logits = self._mask_min_tokens(logits, states)
-        if any(s.params.uses_penalties for s in states):
-            logits = self._apply_penalties(logits, states)
+        logits = self.apply_rules(logits, states)
         if guided is not None:
             logits = _keep_grammar_alive(logits, *guided)
         tokens = logits.argmax(dim=-1)
@@ -100,6 +95,18 @@ class Sampler:
             for i, entry in zip(rows, got, strict=True):
                 entries[i] = entry
         return token_list, entries
+
+    @classmethod
+    def apply_rules(cls, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Token rules, min_tokens and penalties: everything that depends on a row's own
+        output so far (the speculative verifier calls it with drafts appended)."""
+        if any(s.params.has_token_rules for s in states):
+            logits = cls._apply_token_rules(logits, states)
+        if any(s.params.min_tokens for s in states):
+            logits = cls._mask_min_tokens(logits, states)
+        if any(s.params.uses_penalties for s in states):
+            logits = cls._apply_penalties(logits, states)
+        return logits
 
     @staticmethod
     def _apply_token_rules(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

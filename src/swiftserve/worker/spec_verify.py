@@ -6,9 +6,10 @@ argmax of row j, then emit the argmax of the first row that disagrees (or of row
 were accepted). Sampling (rejection sampling, Leviathan et al. 2023): an n-gram draft is a
 point mass, so d(j+1) is accepted with probability p_j(d(j+1)); on a rejection the token is
 drawn from p_j with d(j+1) removed (the normalised residual max(p - q, 0)); when all k are
-accepted one more token is drawn from row k. p_j is the row after temperature, min_p,
-top_k and top_p, exactly as the one-token sampler processes it, so every emitted token has
-the distribution it would have had without speculation.
+accepted one more token is drawn from row k. p_j is the row processed exactly as the
+one-token sampler would process it had d1..dj already been emitted (token rules, min_tokens
+and penalties see the output plus those drafts; then temperature, min_p, top_k, top_p), so
+every emitted token has the distribution it would have had without speculation.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from swiftserve.core.messages import LogprobEntry
-from swiftserve.worker.sampler import SamplingState, filter_logits, logprob_entries
+from swiftserve.worker.sampler import Sampler, SamplingState, filter_logits, logprob_entries
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -55,6 +56,8 @@ def verify(
     """
     counts = [len(d) + 1 for d in drafts]
     starts = [sum(counts[:i]) for i in range(len(counts))]
+    raw = logits
+    logits = Sampler.apply_rules(logits, _row_states(drafts, states))
     argmax = logits.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(states) if not s.params.greedy]
     probs: dict[int, torch.Tensor] = {}
@@ -77,7 +80,21 @@ def verify(
         while accepted < len(d) and row[accepted] == d[accepted]:
             accepted += 1
         emitted.append([*d[:accepted], row[accepted]])
-    return emitted, _logprobs(logits, emitted, states, starts)
+    return emitted, _logprobs(raw, emitted, states, starts)
+
+
+def _row_states(drafts: list[list[int]], states: list[SamplingState]) -> list[SamplingState]:
+    """One state per logit row: row j of a request sees its output plus its first j drafts."""
+    rows = []
+    for d, s in zip(drafts, states, strict=True):
+        if not (s.params.uses_penalties or s.params.has_token_rules or s.params.min_tokens):
+            rows += [s] * (len(d) + 1)  # nothing depends on the output: share the state
+            continue
+        rows += [
+            SamplingState(s.params, s.prompt_token_ids, s.output_token_ids + d[:j], s.eos_token_ids)
+            for j in range(len(d) + 1)
+        ]
+    return rows
 
 
 def _accept_sampled(draft: list[int], probs: torch.Tensor, generator: torch.Generator) -> list[int]:
