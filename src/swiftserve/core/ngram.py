@@ -49,8 +49,9 @@ class NgramProposer:
         token of compute (c, fitted online); it saves a decode step's share per request
         (T / rows) when accepted: so it pays while acceptance x T / rows > c. Small models
         at large batches are compute-bound and fail this; one step in 16 still speculates, to
-        keep measuring acceptance."""
-        if not self.adaptive or not cost.ready or step % 16 == 0:
+        keep measuring acceptance (one in 64 while it is under 10%)."""
+        probe = 16 if self.acceptance > 0.1 else 64  # rarer probes where drafts keep failing
+        if not self.adaptive or not cost.ready or step % probe == 0:
             return True
         per_token = cost.coef[1]
         return self.acceptance * cost.predict(0, decode_rows) > per_token * max(decode_rows, 1)

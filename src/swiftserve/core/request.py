@@ -74,7 +74,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     prompt_logprob_pos: int = 0  # prompt positions whose logprobs were already reported
     block_hashes: list[int] = field(default_factory=list)
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -152,7 +152,6 @@ class Scheduler:
         self.running.remove(victim)
         self.bm.free(victim)
         victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
         victim.set_status(RequestStatus.PREEMPTED)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -175,7 +174,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 and speculate else []
+            drafts = self._propose(request, budget) if num_new == 1 and speculate else []
             if drafts and self.bm.allocate_slots(request, 1 + len(drafts)):
                 self._drafts[request.request_id] = drafts  # verified with the last token
                 scheduled[request.request_id] = 1 + len(drafts)
@@ -339,8 +338,6 @@ class Scheduler:
             self.spec.observe(item.num_spec, max(len(tokens) - 1, 0), len(new_tokens))
             if item.num_spec and self.proposer is not None:
                 self.proposer.observe(request.request_id, item.num_spec, max(len(tokens) - 1, 0))
-            if status is None and new_tokens and self.proposer is not None:
-                request.spec_token_ids = self.proposer.propose(request, self._draft_limit(request))
             prompt_lps = result.prompt_logprobs.get(item.request_id)
             if not new_tokens and prompt_lps is None:
                 continue
@@ -360,12 +357,13 @@ class Scheduler:
             )
         return outputs
 
-    def _draft_limit(self, request: Request) -> int:
-        """Drafts the next step may verify: every emitted token must fit max_tokens and the
-        context (a step emits the accepted drafts plus one)."""
-        return (
-            min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        )
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Drafts to verify with a decoding request's last token (proposed only in steps that
+        speculate). Every emitted token must fit the budget, max_tokens and the context: a
+        step emits the accepted drafts plus one."""
+        assert self.proposer is not None
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+        return self.proposer.propose(request, min(budget, room) - 1)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
