@@ -17,6 +17,7 @@ BF16_GEMMS = ("panel", "onednn")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 TOKENIZER_MODES = ("auto", "hf")
+DP_BACKENDS = ("mp", "ray")
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -104,7 +105,10 @@ class EngineConfig:
     generic tokenizer.json with the ``tokenizers`` library (no transformers import at start),
     "hf" always through ``transformers.AutoTokenizer``. ``speculative_config`` (a dict, JSON
     text or SpeculativeConfig): n-gram speculative decoding, verified exactly (core/ngram.py,
-    worker/spec_verify.py).
+    worker/spec_verify.py). ``data_parallel_size`` (server): that many engine processes behind one
+    API server, each pinned to its share of ``cpu_affinity`` (default: the cores this process
+    may use, split evenly, NUMA node by node) with one torch thread per core (engine/dp_client.py).
+    Tensor and pipeline parallelism are refused with a clear error (not built yet).
     """
 
     model: str | None = None
@@ -140,9 +144,15 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = None
     load_format: str = "auto"
     speculative_config: SpeculativeConfig | None = None
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+    cpu_affinity: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         own = "EngineConfig"
+        self._check_parallel(own)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
@@ -197,6 +207,25 @@ class EngineConfig:
                 f"{own}.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False"
             )
+
+    def _check_parallel(self, own: str) -> None:
+        _positive_int(own, "data_parallel_size", self.data_parallel_size, 1)
+        if self.data_parallel_backend not in DP_BACKENDS:
+            raise ValueError(
+                f"{own}.data_parallel_backend must be one of {DP_BACKENDS}, "
+                f"got {self.data_parallel_backend!r}"
+            )
+        if self.data_parallel_backend == "ray":
+            raise ValueError(f"{own}.data_parallel_backend='ray' is not supported yet: use 'mp'")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"{own}.tensor_parallel_size: tensor parallelism is not supported "
+                "(use data parallel replicas)"
+            )
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"{own}.pipeline_parallel_size: pipeline parallelism is not supported yet")
+        for core in self.cpu_affinity or ():
+            _positive_int(own, "cpu_affinity", core, 0)
 
 
 def _positive_int(owner: str, name: str, value: object, low: int) -> None:

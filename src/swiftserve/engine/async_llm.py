@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swiftserve import startup
 from swiftserve.config import EngineConfig
@@ -29,6 +29,9 @@ from swiftserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 LARGE_PROMPT_CHARS = 32_768  # prompts longer than this tokenize on their own lane
+
+if TYPE_CHECKING:
+    from swiftserve.engine.dp_client import DataParallelCoreClient
 
 
 class EngineDeadError(RuntimeError):
@@ -53,7 +56,7 @@ class AsyncLLM:
         *,
         progress: bool = True,
         engine_process: bool = False,
-        client: ThreadCoreClient | ProcessCoreClient | None = None,
+        client: ThreadCoreClient | ProcessCoreClient | DataParallelCoreClient | None = None,
     ):
         """``client``: an engine already being started (see ``start_core_client``)."""
         self.config = config

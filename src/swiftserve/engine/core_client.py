@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -36,6 +36,9 @@ from swiftserve.core.messages import (
     Stop,
 )
 from swiftserve.engine.core_loop import CoreLoop, core_info, decode_command, encode
+
+if TYPE_CHECKING:
+    from swiftserve.engine.dp_client import DataParallelCoreClient
 
 logger = logging.getLogger(__name__)
 Emit = Callable[[list[EngineCoreOutput] | BaseException], None]
@@ -110,11 +113,13 @@ def _engine_process_main(
     timeline = startup.Timeline("engine", anchor)
     startup.set_current(timeline)
     timeline.record("interpreter start", (startup.process_start_epoch() - anchor) * 1000.0)
+    config = msgspec.convert(msgspec.msgpack.decode(config_bytes), EngineConfig)
+    if config.cpu_affinity:  # a data-parallel replica: its own cores, before torch sizes its pools
+        os.sched_setaffinity(0, set(config.cpu_affinity))
     with timeline.phase("import torch"):
         import torch  # noqa: F401 (timed on its own: it is most of a cold start)
 
         from swiftserve.engine.core import EngineCore
-    config = msgspec.convert(msgspec.msgpack.decode(config_bytes), EngineConfig)
     loop = CoreLoop(EngineCore(config, model_path, progress=False))
     startup.freeze_heap()
     conn.send_bytes(encode(Ready(core_info(loop.core))))
@@ -161,7 +166,12 @@ class ProcessCoreClient:
     """
 
     def __init__(
-        self, config: EngineConfig, model_path: str, progress: bool = True, startup_timeout_s: float = 600.0
+        self,
+        config: EngineConfig,
+        model_path: str,
+        progress: bool = True,
+        startup_timeout_s: float = 600.0,
+        name: str = "swiftserve-engine",
     ):
         ctx = multiprocessing.get_context(_start_method())
         self._conn, child = ctx.Pipe(duplex=True)
@@ -173,7 +183,7 @@ class ProcessCoreClient:
             startup.current().anchor,
         )
         self._proc = ctx.Process(  # type: ignore[attr-defined]
-            target=_engine_process_main, args=args, name="swiftserve-engine", daemon=True
+            target=_engine_process_main, args=args, name=name, daemon=True
         )
         self._proc.start()
         child.close()
@@ -181,6 +191,7 @@ class ProcessCoreClient:
         self._info: CoreInfo | None = None
         self.error: BaseException | None = None
         self._stats: dict[str, Any] = {}
+        self.stats_version = 0  # bumped by every stats update (the data-parallel router reads it)
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="swiftserve-engine-reader", daemon=True)
         self._emit: Emit = lambda _: None
@@ -252,6 +263,7 @@ class ProcessCoreClient:
             if isinstance(reply, Outputs):
                 if reply.stats:
                     self._stats = reply.stats
+                    self.stats_version += 1
                 if reply.outputs:
                     self._emit(reply.outputs)
             elif isinstance(reply, Failed):
@@ -260,9 +272,18 @@ class ProcessCoreClient:
 
 def start_core_client(
     config: EngineConfig, model_path: str, progress: bool = True, engine_process: bool = False
-) -> ThreadCoreClient | ProcessCoreClient:
+) -> ThreadCoreClient | ProcessCoreClient | DataParallelCoreClient:
     """Start the engine: a spawned process returns at once (``wait_ready`` later), a thread
-    client builds the core before returning."""
+    client builds the core before returning; ``data_parallel_size`` > 1 starts that many
+    engine processes behind one router (engine/dp_client.py)."""
+    if config.data_parallel_size > 1:
+        if not engine_process:
+            raise ValueError(
+                "data_parallel_size > 1 needs the engine in its own processes (--engine-mode process)"
+            )
+        from swiftserve.engine.dp_client import DataParallelCoreClient
+
+        return DataParallelCoreClient(config, model_path, progress)
     if engine_process:
         return ProcessCoreClient(config, model_path, progress)
     return ThreadCoreClient(config, model_path, progress)

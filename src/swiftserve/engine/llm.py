@@ -37,6 +37,10 @@ class LLM:
         timeline = Timeline("LLM", anchor=time.time())
         startup.set_current(timeline)  # the worker's phases land on this timeline
         self.config = EngineConfig(model=model, **options)
+        if self.config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs behind the server (swiftserve serve); LLM runs one engine"
+            )
         path = resolve_model(model)
         self.model_path = Path(path)
         with timeline.phase("tokenizer"):

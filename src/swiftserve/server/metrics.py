@@ -38,6 +38,18 @@ class ServerMetrics:
                 ("num_emitted_tokens", "Tokens emitted by verifying steps"),
             )
         }
+        # data parallel: each replica's own gauges, labelled engine="0", "1", ... (the
+        # unlabelled ones above are their sums; KV usage their mean)
+        self.per_engine = {
+            key: Gauge(f"swiftserve:engine_{name}", text, ["engine"], registry=r)
+            for key, name, text in (
+                ("num_running", "num_requests_running", "Requests running on this replica"),
+                ("num_waiting", "num_requests_waiting", "Requests waiting on this replica"),
+                ("kv_cache_usage", "kv_cache_usage_perc", "This replica's KV blocks in use"),
+                ("routed_requests", "routed_requests", "Requests routed to this replica so far"),
+                ("num_steps", "num_steps", "Engine steps this replica ran"),
+            )
+        }
         self.frontend_requests = Gauge(
             "swiftserve:frontend_requests", "Requests holding frontend state (queue, detokenizer)", registry=r
         )
@@ -158,6 +170,9 @@ class ServerMetrics:
             self.computed_tokens.set(stats["computed_tokens"])
             for name, gauge in self.spec.items():
                 gauge.set(stats.get(f"spec_decode_{name}", 0.0))
+        for index, engine_stats in enumerate(stats.get("engines", ())):
+            for key, gauge in self.per_engine.items():
+                gauge.labels(engine=str(index)).set(engine_stats.get(key, 0.0))
         if "frontend_requests" in stats:
             self.frontend_requests.set(stats["frontend_requests"])
         if embedding is not None:
