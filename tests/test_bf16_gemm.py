@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftserve.model.kernels import cpu_kernels
-from swiftserve.model.packed_linear import PackedLinear, PanelLinear, pack_linears, pack_panels, panel_kernels
+from swiftserve.model.packed_linear import (
+    PackedLinear,
+    PanelLinear,
+    pack_linears,
+    pack_panels,
+    panel_kernels,
+    unpack_panels,
+)
 
 OPS = cpu_kernels()
 pytestmark = pytest.mark.skipif(
@@ -36,15 +43,25 @@ def assert_matches_f_linear(got: torch.Tensor, linear: nn.Linear, x: torch.Tenso
     assert (got != want).double().mean().item() < 0.01
 
 
+@pytest.mark.parametrize("path", ["panel", "onednn"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 15, 64, 70, 600])
 @pytest.mark.parametrize(
     ("n", "k", "bias"), [(960, 576, False), (100, 64, True), (50, 30, True), (48, 1536, False)]
 )
-def test_panel_linear_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
+def test_panel_linear_matches_f_linear(rows: int, n: int, k: int, bias: bool, path: str) -> None:
+    """Both of PanelLinear's paths, whatever this CPU picks: our kernel, and oneDNN over the
+    weight unpacked from the panels (what AMX CPUs use from 128 rows)."""
     linear = bf16_linear(n, k, bias, seed=rows + n)
     layer = PanelLinear(linear, OPS)
+    layer.onednn_rows = 1 if path == "onednn" else 1 << 62
     x = torch.randn(rows, k).to(torch.bfloat16)
     assert_matches_f_linear(layer(x), linear, x)
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 30), (1, 64)])
+def test_unpack_panels_round_trip(n: int, k: int) -> None:
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    assert torch.equal(unpack_panels(pack_panels(weight, OPS.bf16_gemm_panel_width()), n), weight)
 
 
 def test_strided_and_batched_inputs() -> None:

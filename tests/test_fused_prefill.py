@@ -27,7 +27,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     )
 
 
-def run(model_dir: Path, fused: bool) -> list:  # type: ignore[type-arg]
+def run(model_dir: Path, fused: bool, limit: int | None = None) -> list:  # type: ignore[type-arg]
     llm = LLM(
         model=str(model_dir),
         fused_prefill=fused,
@@ -37,6 +37,8 @@ def run(model_dir: Path, fused: bool) -> list:  # type: ignore[type-arg]
         enable_prefix_caching=True,
     )
     assert llm.engine.executor.worker.runner.fused_prefill is fused
+    if limit is not None:  # steps with more prompt tokens than this take SDPA (as on AMX CPUs)
+        llm.engine.executor.worker.runner.fused_rows_limit = limit
     rng = random.Random(0)
     shared = [rng.randrange(5, 500) for _ in range(40)]  # a prefix-cache hit for later prompts
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 70, 17, 33)]
@@ -47,8 +49,9 @@ def run(model_dir: Path, fused: bool) -> list:  # type: ignore[type-arg]
     return first + second
 
 
-def test_fused_prefill_matches_sdpa(model_dir: Path) -> None:
-    fused, sdpa = run(model_dir, True), run(model_dir, False)
+@pytest.mark.parametrize("limit", [None, 8], ids=["always_fused", "switching"])
+def test_fused_prefill_matches_sdpa(model_dir: Path, limit: int | None) -> None:
+    fused, sdpa = run(model_dir, True, limit), run(model_dir, False)
     for a, b in zip(fused, sdpa, strict=True):
         ids = a.prompt_token_ids
         assert a.prompt_logprobs is not None and b.prompt_logprobs is not None

@@ -37,6 +37,15 @@ class KernelOptions:
     layer_stack: bool = True  # the whole decoder stack in one C++ call where it applies
 
 
+def amx_available() -> bool:
+    """Whether this CPU has AMX tiles that oneDNN uses for bfloat16 GEMMs and SDPA."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
 class TorchOps:
     """Reference backend: plain PyTorch on any device."""
 
@@ -102,6 +111,10 @@ class TorchOps:
         self.write_kv_(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         return attention.paged_attention(self, q, k, v, kv_cache[0], kv_cache[1], meta)
 
+    # Prompt tokens in one step above which prompt rows leave the row kernel for SDPA
+    # (``fused_rows`` says whether they use it at all).
+    fused_rows_limit = 1 << 30
+
     def fused_rows(self, cfg: ModelConfig, dtype: torch.dtype) -> bool:
         """Whether prompt rows go through ``paged_decode`` as rows (else one SDPA per prompt)."""
         return False
@@ -126,10 +139,17 @@ class CpuOps(TorchOps):
     name = "cpu"
     decode_mask = False
 
+    # On CPUs with AMX, oneDNN's SDPA and GEMMs (AMX tiles) beat the row kernel and our
+    # AVX512-BF16 GEMM on prompt chunks: 5x on a 4k prompt (docs/benchmarks.md, issue 24).
+    # Small chunks (speculative verification rows, the tail of a prompt) stay fused.
+    AMX_FUSED_ROWS_LIMIT = 64
+
     def __init__(self, kernels: ModuleType, options: KernelOptions):
         self.kernels = kernels
         self.cpp = kernels  # the same module, typed as present
         self.options = options
+        if amx_available():
+            self.fused_rows_limit = self.AMX_FUSED_ROWS_LIMIT
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.cpp.rms_norm(x, weight, eps)  # type: ignore[no-any-return]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
+AMX_ONEDNN_ROWS = 128  # rows from which PanelLinear hands the GEMM to oneDNN on AMX CPUs
 
 
 class PackedLinear(nn.Module):
@@ -53,9 +54,14 @@ class PanelLinear(nn.Module):
         self.kernels = kernels
         self.register_buffer("packed", pack_panels(linear.weight.detach(), kernels.bf16_gemm_panel_width()))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), False)
+        self.onednn_rows = AMX_ONEDNN_ROWS if _amx() else 1 << 62
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] >= self.onednn_rows:
+            # a prompt chunk on an AMX CPU: oneDNN's AMX GEMM over the weight unpacked for this
+            # call (no second copy kept) is 2-7x faster than our kernel from 128 rows up
+            return F.linear(x, unpack_panels(self.packed, self.out_features), self.bias)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = self.kernels.bf16_linear(rows, self.packed, self.out_features, self.bias)
@@ -70,6 +76,18 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     padded = torch.zeros(panels * width, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(panels, width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [N, K] weight back from ``pack_panels``' layout (a copy)."""
+    panels, half_k, width, two = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(panels * width, half_k * two)[:out_features]
+
+
+def _amx() -> bool:
+    from swiftserve.model.ops import amx_available
+
+    return amx_available()
 
 
 def panel_kernels(linear: nn.Linear, kernels: ModuleType | None) -> ModuleType | None:

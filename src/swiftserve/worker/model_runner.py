@@ -76,6 +76,7 @@ class ModelRunner:
         # Prompt rows through the row attention kernel too (each row a query at its position)
         # in place of one SDPA call per prompt, where the backend says it pays.
         self.fused_prefill = ops.fused_rows(cfg, dtype)
+        self.fused_rows_limit = ops.fused_rows_limit
         self.states: dict[str, SamplingState] = {}
         self.graphs: DecodeGraphs | None = None
 
@@ -120,6 +121,8 @@ class ModelRunner:
             sample_rows = [(i, s.request_id) for i, s in enumerate(decode) if s.sample]
         segments: list[PrefillSegment] = []
         row = num_decode
+        # big prompt chunks go to SDPA where the backend says the row kernel loses there
+        fused = self.fused_prefill and sum(len(s.token_ids) for s in prefill) <= self.fused_rows_limit
         # (decode rows were staged above; prompt rows below; one host-to-device copy after)
         for s in prefill:
             n = len(s.token_ids)
@@ -127,7 +130,7 @@ class ModelRunner:
             self._ids[row : row + n] = s.token_ids
             self._pos[row : row + n] = positions
             self._slots[row : row + n] = self._slots_for(s.block_ids, positions)
-            if not self.fused_prefill:
+            if not fused:
                 segments.append(self._segment(s, row, positions))
             if s.num_spec:  # verify: logits at the last token and at every draft
                 rows = list(range(row + n - 1 - s.num_spec, row + n))
@@ -137,7 +140,7 @@ class ModelRunner:
             if s.prompt_logprob_start is not None:
                 prompt_rows.append(self._prompt_rows(s, row))
             row += n
-        if self.fused_prefill and prefill:
+        if fused and prefill:
             decode_tables = self._row_tables(order, row)
             num_decode, segments = row, []
         if self.cuda:
