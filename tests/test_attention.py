@@ -111,3 +111,27 @@ def test_kernel_long_contexts_bf16(shape: tuple[int, int, int]) -> None:
     torch.testing.assert_close(
         CPU_OPS.paged_decode(q, kc, vc, meta).double(), reference(q, kc, vc, meta), atol=2e-2, rtol=2e-2
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (9, 3)])
+@pytest.mark.parametrize(("cached", "n"), [(1, 5), (16, 16), (37, 11)])
+def test_chunk_after_context_equals_masked_sdpa(
+    dtype: torch.dtype, heads: int, kv_heads: int, cached: int, n: int
+) -> None:
+    """A prompt chunk after cached context: two flash calls merged by log-sum-exp (CPU) give
+    what one SDPA with the [q, ctx] causal-offset mask gives."""
+    from swiftserve.model.attention import _after_context
+
+    torch.manual_seed(cached + n + heads)
+    q = torch.randn(1, heads, n, 64).to(dtype)
+    keys = torch.randn(kv_heads, cached + n, 64).to(dtype)
+    values = torch.randn(kv_heads, cached + n, 64).to(dtype)
+    mask = torch.ones(n, cached + n, dtype=torch.bool).tril(cached).view(1, 1, n, cached + n)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float().unsqueeze(0), values.float().unsqueeze(0), attn_mask=mask, enable_gqa=True
+    )
+    got = _after_context(q, keys, values, cached)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want).abs().max().item() < tol

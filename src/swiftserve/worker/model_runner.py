@@ -206,13 +206,12 @@ class ModelRunner:
         fresh = s.start_pos == 0 and (self.window is None or n <= self.window)
         if fresh:
             return PrefillSegment(row, row + n, None, n, None)
-        ctx = np.arange(end, dtype=np.int64)
-        mask = ctx[None, :] <= positions[:, None]
-        if self.window is not None:
-            mask &= ctx[None, :] > positions[:, None] - self.window
         blocks = torch.tensor(s.block_ids[: -(-end // self.block_size)], dtype=torch.long)
-        mask_t = torch.from_numpy(mask).view(1, 1, n, end)
-        return PrefillSegment(row, row + n, blocks, end, mask_t)
+        if self.window is None:  # plain causal after the cached context: no mask to build
+            return PrefillSegment(row, row + n, blocks, end, None)
+        ctx = np.arange(end, dtype=np.int64)
+        mask = (ctx[None, :] <= positions[:, None]) & (ctx[None, :] > positions[:, None] - self.window)
+        return PrefillSegment(row, row + n, blocks, end, torch.from_numpy(mask).view(1, 1, n, end))
 
     def _prompt_rows(self, s: ScheduledRequest, row: int) -> tuple[str, list[int], list[int]]:
         """Rows whose logits score the next prompt token (positions up to prompt_len - 2)."""
