@@ -144,11 +144,17 @@ def _after_context(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ca
         return F.scaled_dot_product_attention(
             q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
         )
-    group = q.shape[1] // keys.shape[0]
-    k = keys.repeat_interleave(group, dim=0).unsqueeze(0)  # the flash op takes no GQA
-    v = values.repeat_interleave(group, dim=0).unsqueeze(0)
-    own, own_lse = _FLASH_CPU(q, k[:, :, cached:], v[:, :, cached:], 0.0, True)[:2]
-    ctx_out, ctx_lse = _FLASH_CPU(q, k[:, :, :cached], v[:, :, :cached], 0.0, False)[:2]
+    heads, kv_heads, dim = q.shape[1], keys.shape[0], q.shape[-1]
+    group = heads // kv_heads
+    # The flash op takes no GQA. Against the context no query is masked, so the G query heads
+    # of a KV head are just more rows of one head: no copy of the (long) context K/V.
+    stacked = q.reshape(1, kv_heads, group * n, dim)
+    ctx_out, ctx_lse = _FLASH_CPU(stacked, keys[None, :, :cached], values[None, :, :cached], 0.0, False)[:2]
+    ctx_out, ctx_lse = ctx_out.reshape(1, heads, n, dim), ctx_lse.reshape(1, heads, n)
+    # The chunk itself is causal per head: repeat its own (short) K/V per query head.
+    k = keys[:, cached:].repeat_interleave(group, dim=0).unsqueeze(0)
+    v = values[:, cached:].repeat_interleave(group, dim=0).unsqueeze(0)
+    own, own_lse = _FLASH_CPU(q, k, v, 0.0, True)[:2]
     top = torch.maximum(own_lse, ctx_lse)
     w_own, w_ctx = torch.exp(own_lse - top).unsqueeze(-1), torch.exp(ctx_lse - top).unsqueeze(-1)
     merged = (own.float() * w_own + ctx_out.float() * w_ctx) / (w_own + w_ctx)
