@@ -43,7 +43,7 @@ def assert_matches_f_linear(got: torch.Tensor, linear: nn.Linear, x: torch.Tenso
     assert (got != want).double().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("path", ["panel", "onednn"])
+@pytest.mark.parametrize("path", ["panel", "onednn", "dual"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 15, 64, 70, 600])
 @pytest.mark.parametrize(
     ("n", "k", "bias"), [(960, 576, False), (100, 64, True), (50, 30, True), (48, 1536, False)]
@@ -54,6 +54,8 @@ def test_panel_linear_matches_f_linear(rows: int, n: int, k: int, bias: bool, pa
     linear = bf16_linear(n, k, bias, seed=rows + n)
     layer = PanelLinear(linear, OPS)
     layer.onednn_rows = 1 if path == "onednn" else 1 << 62
+    if path == "dual":  # the oneDNN-packed copy AMX CPUs keep (used from 8 rows)
+        layer.add_onednn_copy()
     x = torch.randn(rows, k).to(torch.bfloat16)
     assert_matches_f_linear(layer(x), linear, x)
 

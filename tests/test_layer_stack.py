@@ -11,6 +11,7 @@ import pytest
 
 from swiftserve import LLM, SamplingParams
 from swiftserve.model.kernels import cpu_kernels
+from swiftserve.model.packed_linear import PanelLinear
 from swiftserve.tools.demo import write_random_checkpoint
 
 OPS = cpu_kernels()
@@ -32,6 +33,12 @@ def generate(model_dir: Path, stack: bool) -> tuple[list, int]:  # type: ignore[
     )
     worker = llm.engine.executor.worker
     model = worker.model
+    # On AMX CPUs batches of 8+ rows leave the stack for oneDNN's copies (packed_linear.py):
+    # turn that off here, so both runs compare the stack and the loop on every kind of step.
+    worker.ops.stack_max_rows = 1 << 30
+    for module in model.modules():
+        if isinstance(module, PanelLinear):
+            module.onednn, module.onednn_rows = None, 1 << 62
     calls = 0
     original = OPS.decoder_stack
 

@@ -148,6 +148,7 @@ class CpuOps(TorchOps):
         self.kernels = kernels
         self.cpp = kernels  # the same module, typed as present
         self.options = options
+        self.stack_max_rows = 1 << 30  # steps with this many rows skip the C++ layer stack
         if amx_available():
             self.fused_rows_limit = self.AMX_FUSED_ROWS_LIMIT
 
@@ -206,9 +207,12 @@ class CpuOps(TorchOps):
         )
 
     def pack_linears(self, model: nn.Module) -> int:
-        from swiftserve.model.packed_linear import pack_linears
+        from swiftserve.model.packed_linear import DUAL_PACK_ROWS, dual_packed, pack_linears
 
-        return pack_linears(model, self.cpp if self.options.bf16_gemm == "panel" else None)
+        count = pack_linears(model, self.cpp if self.options.bf16_gemm == "panel" else None)
+        if dual_packed(model):  # batches take oneDNN's copy: the C++ stack only for small ones
+            self.stack_max_rows = DUAL_PACK_ROWS
+        return count
 
     def stack_weights(self, model: nn.Module) -> list[torch.Tensor] | None:
         from swiftserve.model import layer_stack
@@ -219,7 +223,7 @@ class CpuOps(TorchOps):
                       kv_caches: Any, meta: AttentionMetadata) -> torch.Tensor | None:  # fmt: skip
         from swiftserve.model import layer_stack
 
-        if not layer_stack.applies(meta, h.shape[0]):
+        if h.shape[0] >= self.stack_max_rows or not layer_stack.applies(meta, h.shape[0]):
             return None
         return layer_stack.run_stack(self.cpp, model, weights, h, rope, kv_caches, meta)
 
