@@ -208,3 +208,37 @@ def test_many_requests_tiny_pool_no_livelock() -> None:
         s.add_request(make_request(str(i), 3 + i % 5, max_tokens=6, priority=i % 3, arrival=i * 0.01))
     run_to_end(s, max_steps=5000)
     assert s.bm.num_free_blocks == 8
+
+
+def test_long_context_chunks_shrink_while_others_decode() -> None:
+    """A prompt chunk deep into a long prompt costs its attention over the whole context: while
+    other requests decode, it is capped to a full chunk's attention from scratch."""
+    from swiftserve.core.step_cost import MIN_LONG_CHUNK, long_context_chunk
+
+    assert long_context_chunk(0, 256) == 256
+    assert long_context_chunk(1000, 256) == MIN_LONG_CHUNK  # sqrt(1000^2 + 256^2) - 1000 = 32
+    assert long_context_chunk(100, 256) == 174  # isqrt(100^2 + 256^2) - 100
+    s = make_scheduler(num_blocks=1200, budget=256, max_len=8192)
+    s.add_request(make_request("chat", 3, max_tokens=40))
+    s.update(first := s.schedule(), fake_run(first))  # "chat" decodes from now on
+    s.add_request(make_request("doc", 3000, max_tokens=1, arrival=1.0))
+    sizes = []
+    for _ in range(6):
+        sched = s.schedule()
+        sizes.append({i.request_id: len(i.token_ids) for i in sched.scheduled})
+        s.update(sched, fake_run(sched))
+    assert [x["chat"] for x in sizes] == [1] * 6  # the decode row is never squeezed out
+    doc = [x["doc"] for x in sizes]
+    assert doc[0] == 255 and all(n < 255 for n in doc[1:])  # the first chunk takes the budget
+    assert doc[-1] == MIN_LONG_CHUNK  # deep into the prompt: the floor
+
+
+def test_long_prompt_alone_takes_full_chunks() -> None:
+    s = make_scheduler(num_blocks=1200, budget=256, max_len=8192)
+    s.add_request(make_request("doc", 3000, max_tokens=1))
+    sizes = []
+    for _ in range(4):
+        sched = s.schedule()
+        sizes.append(sched.num_batched_tokens)
+        s.update(sched, fake_run(sched))
+    assert sizes == [256] * 4  # nobody decoding: nothing to protect

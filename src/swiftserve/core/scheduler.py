@@ -30,7 +30,7 @@ from swiftserve.core.outputs import deadline_output, latencies, request_times, s
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
 from swiftserve.core.slo import BudgetPlanner, Pending, SLOTargets
-from swiftserve.core.step_cost import StepCostModel
+from swiftserve.core.step_cost import StepCostModel, long_context_chunk
 
 
 def fits_in_kv_pool(
@@ -91,6 +91,7 @@ class Scheduler:
         self.proposer = proposer
         self.spec = SpecDecodeStats()
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
+        self._decode_rows = 0  # rows of this step that decode (the long-context chunk cap)
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -169,11 +170,13 @@ class Scheduler:
         self.running.sort(key=self._key)
         index = 0
         self._drafts = {}
-        decode_rows = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        decode_rows = self._decode_rows = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         speculate = self.proposer is not None and self.proposer.pays(self.cost, decode_rows, self.num_steps)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(
+                request.num_computed_tokens, request.num_tokens - request.num_computed_tokens, budget
+            )
             drafts = self._propose(request, budget) if num_new == 1 and speculate else []
             if drafts and self.bm.allocate_slots(request, 1 + len(drafts)):
                 self._drafts[request.request_id] = drafts  # verified with the last token
@@ -209,7 +212,7 @@ class Scheduler:
             num_new = request.num_tokens - num_computed
             if not self.chunked and num_new > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._chunk(num_computed, num_new, budget)
             if not self.bm.allocate_slots(request, num_new, computed):
                 if not self._preempt_for(request, scheduled, preempted):
                     break
@@ -227,6 +230,13 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _chunk(self, context: int, wanted: int, budget: int) -> int:
+        """A prompt chunk within the budget; while others decode, no bigger than a chunk whose
+        attention over the context costs a full chunk from scratch (step_cost.py)."""
+        if self._decode_rows and wanted > 1 and self.chunked:
+            wanted = min(wanted, long_context_chunk(context, self.max_num_batched_tokens))
+        return min(wanted, budget)
 
     def _plan_budget(self, now: float) -> int:
         """The token budget of this step: planned against the latency targets, if any."""
