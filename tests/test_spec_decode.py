@@ -247,3 +247,35 @@ def test_server_flag_and_metrics(llama_dir: Path, tmp_path: Path) -> None:
             < metrics["swiftserve:spec_decode_num_accepted_tokens"]
             <= metrics["swiftserve:spec_decode_num_draft_tokens"]
         )
+
+
+def test_structured_output_with_speculation(llama_dir: Path) -> None:
+    """Drafts are checked against the grammar at every position (worker/guided.py:
+    draft_masks): greedy output is identical, sampled output still validates, and the
+    repetitive JSON gets drafts accepted."""
+    import json
+
+    import jsonschema
+
+    from structured_schemas import SCHEMAS
+
+    schema = SCHEMAS[7]  # up to three {"id": .., "ok": ..} records: repetitive keys
+    prompts: list[Any] = [{"prompt_token_ids": list(range(20, 40))}, {"prompt_token_ids": [7, 8, 9] * 5}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs={"json": schema})
+    llm = LLM(model=str(llama_dir), speculative_config=NGRAM)
+    spec = llm.generate(prompts, greedy, use_tqdm=False)
+    plain = LLM(model=str(llama_dir)).generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    sampled = llm.generate(
+        prompts * 3,
+        [
+            SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_outputs={"json": schema})
+            for s in range(6)
+        ],
+        use_tqdm=False,
+    )
+    for out in [*spec, *sampled]:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    stats = llm.engine.scheduler.spec.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0

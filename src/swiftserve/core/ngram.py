@@ -7,9 +7,9 @@ loop is the whole period k times over). Each request keeps an index from n-gram 
 position after its first occurrence, extended by O(max_n) dict writes per new token, so a proposal
 costs a few lookups however long the context.
 
-Requests under structured output or asking for prompt logprobs are not eligible (the grammar
-would have to advance through the drafts); they decode one token a step. Penalties, token
-rules and min_tokens are applied per draft position by the verifier (worker/spec_verify.py).
+Requests asking for prompt logprobs are not eligible (they decode one token a step).
+Penalties, token rules, min_tokens and the structured-output grammar are applied per draft
+position by the verifier (worker/spec_verify.py, worker/guided.py: draft_masks).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class _Index:
 def eligible(request: Request) -> bool:
     """Whether speculation keeps this request's output exact (see the module docstring)."""
     p = request.sampling_params
-    return p.structured_outputs is None and p.prompt_logprobs is None
+    return p.prompt_logprobs is None
 
 
 class NgramProposer:

@@ -71,6 +71,25 @@ class GuidedDecoding:
                 out[row, eos] = True
         return out
 
+    def draft_masks(self, matcher: LLMatcher | None, drafts: list[int]) -> torch.Tensor:
+        """[len(drafts) + 1, vocab] allowed tokens at each verification row (row j: after
+        drafts[:j]). The walk stops at the first draft the grammar refuses (that draft is
+        rejected, so later rows are never used: they allow everything). The matcher is rolled
+        back to where it was."""
+        rows = torch.ones(len(drafts) + 1, self.vocab_size, dtype=torch.bool)
+        if matcher is None:
+            rows[0] = self.masks([None])[0]
+            return rows
+        valid = matcher.validate_tokens(drafts)
+        masks = [self.masks([matcher])[0]]
+        for token in drafts[:valid]:
+            matcher.consume_token(token)
+            masks.append(self.masks([matcher])[0])
+        if valid:
+            matcher.rollback(valid)
+        rows[: len(masks)] = torch.stack(masks)
+        return rows
+
     @staticmethod
     def advance(matcher: LLMatcher, token: int) -> None:
         """Feed the sampled token (an error state only ever allows EOS next)."""

@@ -263,8 +263,19 @@ class ModelRunner:
     ) -> None:
         """Accept or reject each request's drafts (worker/spec_verify.py)."""
         states = [self.states[rid] for rid, _, _ in spec_rows]
-        emitted, logprobs = verify(logits, [d for _, _, d in spec_rows], states, self.sampler.generator)
-        for (rid, _, _), tokens, lps, state in zip(spec_rows, emitted, logprobs, states, strict=True):
+        drafts = [d for _, _, d in spec_rows]
+        matchers = [s.grammar.result() if s.grammar is not None else None for s in states]
+        masks: list[torch.Tensor | None] = [
+            self.guided.draft_masks(m, d) if s.grammar is not None and self.guided is not None else None
+            for s, m, d in zip(states, matchers, drafts, strict=True)
+        ]
+        emitted, logprobs = verify(logits, drafts, states, self.sampler.generator, masks)
+        for (rid, _, _), tokens, lps, state, matcher in zip(
+            spec_rows, emitted, logprobs, states, matchers, strict=True
+        ):
+            if matcher is not None:
+                for token in tokens:
+                    GuidedDecoding.advance(matcher, token)
             state.output_token_ids.extend(tokens)
             result.spec_token_ids[rid] = tokens
             if lps is not None:

@@ -49,15 +49,30 @@ def verify(
     drafts: list[list[int]],
     states: list[SamplingState],
     shared: torch.Generator,
+    grammar: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[list[int]], list[list[LogprobEntry] | None]]:
     """Per request: the emitted tokens (accepted drafts + one) and, when asked, their logprobs.
 
-    ``logits``: [sum(len(d) + 1), vocab] rows, request after request.
+    ``logits``: [sum(len(d) + 1), vocab] rows, request after request. ``grammar``: per
+    request, None or its [len(d) + 1, vocab] allowed-token rows (structured output; row j
+    as the grammar stands after d1..dj), applied before everything else.
     """
     counts = [len(d) + 1 for d in drafts]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     raw = logits
+    guided = [(i, m) for i, m in enumerate(grammar or ()) if m is not None]
+    if guided:
+        logits = logits.clone()
+        for i, mask in guided:
+            span = slice(starts[i], starts[i] + counts[i])
+            logits[span] = logits[span].masked_fill(~mask, float("-inf"))
+    masked = logits
     logits = Sampler.apply_rules(logits, _row_states(drafts, states))
+    for i, _ in guided:  # a row the rules emptied (min_tokens vs a finished grammar): grammar wins
+        span = slice(starts[i], starts[i] + counts[i])
+        dead = torch.isneginf(logits[span]).all(dim=-1)
+        if bool(dead.any()):
+            logits[span][dead] = masked[span][dead]
     argmax = logits.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(states) if not s.params.greedy]
     probs: dict[int, torch.Tensor] = {}
