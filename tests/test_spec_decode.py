@@ -198,8 +198,8 @@ def test_ngram_proposer_longest_latest_match() -> None:
     assert proposer.propose(req, limit=10) == [9, 2, 3]  # incremental index: "2 3 4" -> 9 ...
     assert proposer.propose(req, limit=1) == [9]
     assert proposer.propose(Request("s", [1, 2, 3], SamplingParams()), limit=5) == []
-    guided = Request("g", [1, 2, 1, 2], SamplingParams(structured_outputs={"regex": "[12]+"}), max_tokens=9)
-    assert proposer.propose(guided, limit=5) == []  # not eligible: the grammar would have to follow drafts
+    asks_prompt_lps = Request("g", [1, 2, 1, 2], SamplingParams(prompt_logprobs=1), max_tokens=9)
+    assert proposer.propose(asks_prompt_lps, limit=5) == []  # not eligible: one token a step
     penalised = Request("p", [1, 2, 1, 2], SamplingParams(repetition_penalty=1.2), max_tokens=9)
     assert proposer.propose(penalised, limit=5) == [1, 2]  # penalties are applied per draft position
 
