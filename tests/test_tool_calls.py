@@ -266,3 +266,23 @@ def test_auto_stream_holds_back_only_what_may_be_a_call() -> None:
     assert [c["function"]["name"] for c in calls] == ["get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"offset": 2}
     assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
+
+
+def test_offline_chat_offers_tools_and_can_force_a_call(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LLM.chat(tools=...) renders the tools into the template (vLLM's signature); a
+    "required"-style grammar makes even a random model produce a valid call."""
+    from swiftserve import LLM, SamplingParams
+
+    model = write_random_checkpoint(tmp_path_factory.mktemp("chat-tools"), max_position_embeddings=2048)
+    llm = LLM(model=str(model), max_model_len=2048)
+    request = ToolRequest(TOOLS, "required", parallel=False)
+    params = SamplingParams(max_tokens=200, temperature=0.8, seed=2, structured_outputs=request.constraint())
+    out = llm.chat(QUESTION, params, use_tqdm=False, tools=TOOLS)
+    assert out[0].prompt is not None and "<tools>" in out[0].prompt and "get_weather" in out[0].prompt
+    content, calls = request.parse(out[0].outputs[0].text)
+    assert content is None and len(calls) == 1
+    assert calls[0].name in SCHEMAS
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+    template = "Q: {{ messages[0]['content'] }}\nA:"
+    custom = llm.chat(QUESTION, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template)
+    assert custom[0].prompt == "Q: What is the weather in Paris?\nA:"

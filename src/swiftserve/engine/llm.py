@@ -108,8 +108,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to one or more conversations and generate."""
+        """Apply the chat template (the checkpoint's, or ``chat_template``) to one or more
+        conversations and generate. ``tools`` (OpenAI's shape) and ``chat_template_kwargs``
+        reach the template as in vLLM's ``LLM.chat``; constrain the output with
+        ``SamplingParams(structured_outputs=...)`` to force a call. Parsing the calls out of
+        the text is the server's job (server/tool_calls.py)."""
         if not messages:
             raise InvalidRequestError("messages: must not be empty", "messages")
         conversations = [messages] if isinstance(messages[0], dict) else messages
@@ -118,7 +126,12 @@ class LLM:
             if not conv:
                 raise InvalidRequestError("messages: must not be empty", "messages")
             text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                **({"chat_template": chat_template} if chat_template else {}),
+                **(chat_template_kwargs or {}),
             )
             prompts.append(text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)

@@ -124,13 +124,15 @@ class FastTokenizer:
         add_generation_prompt: bool = False,
         **kwargs: Any,
     ) -> Any:
-        """Render (and optionally tokenize) one conversation with the checkpoint's template."""
-        if self.chat_template is None:
+        """Render (and optionally tokenize) one conversation with the checkpoint's template
+        (or ``chat_template=``, as transformers takes it)."""
+        source = kwargs.pop("chat_template", None) or self.chat_template
+        if source is None:
             raise ValueError(f"{self.name_or_path}: the tokenizer has no chat template")
         if not conversation:
             raise ValueError("cannot apply a chat template to an empty conversation")
         text = render_chat(
-            self.chat_template,
+            source,
             conversation,
             add_generation_prompt=add_generation_prompt,
             special_tokens=self.special_tokens_map,
