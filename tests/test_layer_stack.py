@@ -38,7 +38,7 @@ def generate(model_dir: Path, stack: bool) -> tuple[list, int]:  # type: ignore[
     worker.ops.stack_max_rows = 1 << 30
     for module in model.modules():
         if isinstance(module, PanelLinear):
-            module.onednn, module.onednn_rows = None, 1 << 62
+            module.onednn, module.dual, module.onednn_rows = None, False, 1 << 62
     calls = 0
     original = OPS.decoder_stack
 

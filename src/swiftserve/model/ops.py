@@ -8,6 +8,7 @@ the same methods. No model code branches on which backend it runs.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -37,6 +38,7 @@ class KernelOptions:
     layer_stack: bool = True  # the whole decoder stack in one C++ call where it applies
 
 
+@functools.cache
 def amx_available() -> bool:
     """Whether this CPU has AMX tiles that oneDNN uses for bfloat16 GEMMs and SDPA."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)

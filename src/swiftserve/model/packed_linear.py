@@ -60,16 +60,22 @@ class PanelLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), False)
         self.onednn_rows = AMX_ONEDNN_ROWS if _amx() else 1 << 62
         self.onednn: torch.Tensor | None = None  # a oneDNN-packed second copy (AMX, small models)
+        self.dual = False  # use (and on first use make) that copy for batches of DUAL_PACK_ROWS+
 
     def add_onednn_copy(self) -> None:
         """Keep a oneDNN-packed copy beside the panels (twice the weight memory)."""
         weight = unpack_panels(self.packed, self.out_features)
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.dual = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.onednn is not None and rows.shape[0] >= DUAL_PACK_ROWS:
-            # AMX: oneDNN's packed copy beats our kernel from 8 rows (5.6x at 64)
+        if self.dual and rows.shape[0] >= DUAL_PACK_ROWS:
+            # AMX: oneDNN's packed copy beats our kernel from 8 rows (5.6x at 64); made on
+            # first use, so single-stream users pay neither its memory nor its start-up time
+            if self.onednn is None:
+                self.add_onednn_copy()
+            assert self.onednn is not None
             out = torch.ops.mkldnn._linear_pointwise(
                 rows.contiguous(), self.onednn, self.bias, "none", [], ""
             )
@@ -166,9 +172,9 @@ def _dual_pack(model: nn.Module, onednn: bool) -> int:
     if not panels or not onednn or not _amx() or total > DUAL_PACK_MAX_BYTES:
         return 0
     for layer in panels:
-        layer.add_onednn_copy()
+        layer.dual = True
     logger.info(
-        "AMX: oneDNN copies of %d linears (%.0f MB) for batches of %d+ rows",
+        "AMX: oneDNN copies of %d linears (%.0f MB, made on first use) for batches of %d+ rows",
         len(panels),
         total / 2**20,
         DUAL_PACK_ROWS,
@@ -178,4 +184,4 @@ def _dual_pack(model: nn.Module, onednn: bool) -> int:
 
 def dual_packed(model: nn.Module) -> bool:
     """Whether the model's linears carry oneDNN copies (see ``_dual_pack``)."""
-    return any(isinstance(m, PanelLinear) and m.onednn is not None for m in model.modules())
+    return any(isinstance(m, PanelLinear) and m.dual for m in model.modules())
