@@ -29,7 +29,7 @@ from swiftserve.core.ngram import NgramProposer, SpecDecodeStats
 from swiftserve.core.outputs import deadline_output, latencies, request_times, sampled_tokens
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
-from swiftserve.core.slo import BudgetPlanner, Pending, SLOTargets
+from swiftserve.core.slo import BudgetPlanner, SLOTargets
 from swiftserve.core.step_cost import StepCostModel, long_context_chunk
 
 
@@ -242,16 +242,7 @@ class Scheduler:
         """The token budget of this step: planned against the latency targets, if any."""
         if self.planner is None:
             return self.max_num_batched_tokens
-        tpot = self.targets.tpot_s or 0.0
-        decode_rows, min_bank, pending = 0, float("inf"), []
-        for r in self.running:
-            if r.num_tokens - r.num_computed_tokens <= 1 and r.first_token_time is not None:
-                decode_rows += 1
-                min_bank = min(min_bank, tpot * (r.num_output_tokens - 1) - (now - r.first_token_time))
-            else:
-                pending.append(Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens))
-        pending += [Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens) for r in self.waiting]
-        return self.planner.plan(decode_rows, 0.0 if min_bank == float("inf") else min_bank, pending)
+        return self.planner.plan_requests(self.running, self.waiting, now)
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """The measured wall time of a step: feeds the step-cost model."""

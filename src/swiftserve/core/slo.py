@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from swiftserve.core.request import Request
 from swiftserve.core.step_cost import StepCostModel
 
 
@@ -110,6 +111,20 @@ class BudgetPlanner:
         room = max(0, self.max_budget - decode_rows)
         self.last_budget = decode_rows + min(room, max(self.min_chunk, chunk))
         return self.last_budget
+
+    def plan_requests(self, running: Iterable[Request], waiting: Iterable[Request], now: float) -> int:
+        """``plan`` from the requests themselves: the decode rows and the smallest TPOT time
+        any of them has banked (ahead of target), and every prompt still in prefill."""
+        tpot = self.targets.tpot_s or 0.0
+        decode_rows, min_bank, pending = 0, float("inf"), []
+        for r in running:
+            if r.num_tokens - r.num_computed_tokens <= 1 and r.first_token_time is not None:
+                decode_rows += 1
+                min_bank = min(min_bank, tpot * (r.num_output_tokens - 1) - (now - r.first_token_time))
+            else:
+                pending.append(Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens))
+        pending += [Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens) for r in waiting]
+        return self.plan(decode_rows, 0.0 if min_bank == float("inf") else min_bank, pending)
 
     def _ttft_at_risk(self, decode_rows: int, limit: float, pending: Iterable[Pending]) -> bool:
         """Would some waiting prompt get its first token after the TTFT target at this pace?"""
