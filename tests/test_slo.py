@@ -7,6 +7,7 @@ check the control law itself, not the speed of this machine.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +262,17 @@ def test_without_deadline_scheduling_deadlines_only_count_waste() -> None:
     sim.sched.finish_requests(["urgent"], RequestStatus.FINISHED_ABORTED)  # the frontend's timer
     stats = sim.sched.slo_stats()
     assert stats["deadline_expired"] == 0 and stats["deadline_wasted_tokens"] > 0
+
+
+def test_step_log_records_plan_prediction_and_measurement(tmp_path: Path, llama_dir: Path) -> None:
+    import json
+
+    from swiftserve import LLM, SamplingParams
+
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(model=str(llama_dir), step_log=str(log), target_tpot_ms=50.0, max_num_batched_tokens=16)
+    llm.generate([{"prompt_token_ids": list(range(5, 45))}] * 2, SamplingParams(max_tokens=8), use_tqdm=False)
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(entries) == llm.engine.scheduler.num_steps
+    assert all(e["measured_s"] > 0 and e["budget"] >= 1 and "margin" in e for e in entries)
+    assert any(e["prompt_tokens"] > 0 for e in entries) and any(e["decode_rows"] > 0 for e in entries)

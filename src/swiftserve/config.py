@@ -149,6 +149,7 @@ class EngineConfig:
     cpu_affinity: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    step_log: str | None = None  # a JSON line per step: planned, predicted, measured (engine/step_log.py)
 
     def __post_init__(self) -> None:
         own = "EngineConfig"

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
-from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest
+from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from swiftserve.core.ngram import NgramProposer
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.scheduler import Scheduler
 from swiftserve.core.slo import SLOTargets
+from swiftserve.engine.step_log import StepLog
 from swiftserve.worker.executor import Executor, UniProcExecutor
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class EngineCore:
             ),
             proposer=proposer,
         )
+        self.step_log = StepLog(config.step_log) if config.step_log else None
         # Everything allocated so far lives as long as the engine: keep the cyclic GC from
         # walking it on every collection during steps (DESIGN.md, performance rules).
         gc.collect()
@@ -101,10 +103,18 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over the scheduled tokens; returns what changed."""
         sched = self.scheduler.schedule()
+        predicted = self._predict(sched) if self.step_log is not None else 0.0
         start = time.perf_counter()
         result = self.executor.execute_model(sched)
-        self.scheduler.observe_step(sched, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        if self.step_log is not None:
+            self.step_log.record(self.scheduler, sched, seconds, predicted)
+        self.scheduler.observe_step(sched, seconds)
         return self.scheduler.update(sched, result)
+
+    def _predict(self, sched: SchedulerOutput) -> float:
+        rows = sum(1 for item in sched.scheduled if len(item.token_ids) == 1)
+        return self.scheduler.cost.predict(sched.num_batched_tokens - rows, rows)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
