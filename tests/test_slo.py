@@ -276,3 +276,28 @@ def test_step_log_records_plan_prediction_and_measurement(tmp_path: Path, llama_
     assert len(entries) == llm.engine.scheduler.num_steps
     assert all(e["measured_s"] > 0 and e["budget"] >= 1 and "margin" in e for e in entries)
     assert any(e["prompt_tokens"] > 0 for e in entries) and any(e["decode_rows"] > 0 for e in entries)
+
+
+def test_cost_model_fits_the_prefill_jump_and_the_planner_takes_big_chunks() -> None:
+    """Where any prompt token makes a step cost a fixed amount more (AMX CPUs: 17 -> 56 ms),
+    the model fits that jump once both kinds of step are seen, and a late prompt gets one
+    big chunk instead of many small ones that would each pay it."""
+    jump = 0.03
+
+    def cost(k: int, rows: int) -> float:
+        return true_cost(k, rows) + (jump if k else 0.0)
+
+    model = StepCostModel(min_samples=4, refit_every=1)
+    rng = random.Random(3)
+    for i in range(64):
+        k, rows = (0 if i % 2 else rng.randint(1, 2048)), rng.randint(1, 32)
+        model.observe(k, rows, cost(k, rows))
+    assert model.jump == pytest.approx(jump, rel=0.2)
+    assert model.predict(0, 16) == pytest.approx(cost(0, 16), rel=0.1)
+    assert model.predict(100, 16) == pytest.approx(cost(100, 16), rel=0.1)
+    big = model.efficient_chunk()
+    assert big == pytest.approx(4 * jump / 1e-4, rel=0.2)  # prompt work >= 4x the jump it pays
+    planner = BudgetPlanner(SLOTargets(ttft_s=0.5, tpot_s=0.04), 4096, model)
+    calm = planner.plan(16, min_bank_s=0.0, pending=[Pending(0.0, 64)])
+    rushed = planner.plan(16, min_bank_s=0.0, pending=[Pending(0.45, 4096)])
+    assert planner.ttft_risk and rushed - 16 >= min(4096 - 16, big) > calm - 16

@@ -108,6 +108,8 @@ class BudgetPlanner:
         if self.ttft_risk:
             limit += self.spend * max(0.0, min_bank_s)
         chunk = self.model.max_prompt_tokens(limit, decode_rows)
+        if self.ttft_risk:  # a prompt is late: where steps with prompt tokens pay a jump, few big chunks
+            chunk = max(chunk, min(self.max_budget, self.model.efficient_chunk()))
         room = max(0, self.max_budget - decode_rows)
         self.last_budget = decode_rows + min(room, max(self.min_chunk, chunk))
         return self.last_budget
