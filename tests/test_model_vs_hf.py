@@ -1,6 +1,6 @@
 """Greedy output token-for-token equal to Hugging Face transformers (float32), under every
 scheduling regime: prefix caching on/off, tiny chunked-prefill budget, forced preemption,
-block sizes 1/16/32, the priority policy; and logprobs within 1e-4."""
+block sizes 1/16/32, the priority policy, async scheduling; and logprobs within 1e-4."""
 
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ ENGINE_VARIANTS = {
     "block-1": {"block_size": 1},
     "block-32": {"block_size": 32},
     "priority": {"scheduling_policy": "priority"},
+    # async scheduling: step N+1 scheduled while step N runs, placeholders filled by the runner
+    "async": {"async_scheduling": True},
+    "async-chunk-7": {"async_scheduling": True, "max_num_batched_tokens": 7},
+    "async-preempt": {"async_scheduling": True, "num_kv_blocks": 24, "block_size": 4},
+    "async-priority-busy-poll": {
+        "async_scheduling": True,
+        "busy_poll": True,
+        "scheduling_policy": "priority",
+    },
 }
 
 
@@ -86,8 +95,10 @@ def test_greedy_matches_transformers(model_dirs: dict[str, Path], model_name: st
     check(generate(llm), ref_tokens, ref_logprobs)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
-    if variant == "preempt":
+    if variant.endswith("preempt"):
         assert llm.engine.scheduler.num_preemptions > 0
+    if llm.config.async_scheduling:  # results really came back from the step thread
+        assert llm.engine.wakeups_us
     # Second pass: prompts now hit the prefix cache (when on) and must give the same tokens.
     check(generate(llm), ref_tokens, ref_logprobs)
     assert (bm.prefix_hits > 0) == llm.config.enable_prefix_caching

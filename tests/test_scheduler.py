@@ -149,6 +149,7 @@ def test_priority_arrival_preempts_when_seats_are_full() -> None:
     sched = s.schedule()
     assert sched.preempted_request_ids == ("bulk",)
     assert [i.request_id for i in sched.scheduled] == ["urgent"]
+    s.update(sched, fake_run(sched))  # every scheduled step's result comes back
     run_to_end(s)
     assert s.bm.num_free_blocks == s.bm.num_blocks
 

@@ -109,6 +109,9 @@ class EngineConfig:
     API server, each pinned to its share of ``cpu_affinity`` (default: the cores this process
     may use, split evenly, NUMA node by node) with one torch thread per core (engine/dp_client.py).
     Tensor and pipeline parallelism are refused with a clear error (not built yet).
+    ``async_scheduling`` (vLLM's name): schedule step N+1 while step N runs on a step thread
+    (worker/step_stream.py), sampled tokens filled in by the runner; ``busy_poll``: the engine
+    thread spins (yielding) for a step's result instead of sleeping on it.
     """
 
     model: str | None = None
@@ -149,6 +152,8 @@ class EngineConfig:
     cpu_affinity: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    async_scheduling: bool = False
+    busy_poll: bool = False
     step_log: str | None = None  # a JSON line per step: planned, predicted, measured (engine/step_log.py)
 
     def __post_init__(self) -> None:
@@ -156,6 +161,10 @@ class EngineConfig:
         self._check_parallel(own)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(f"{own}: async_scheduling does not combine with speculative_config yet")
+        if self.busy_poll and not self.async_scheduling:
+            raise ValueError(f"{own}.busy_poll needs async_scheduling (it is how a step's result is awaited)")
         if self.dtype not in DTYPES:
             raise ValueError(f"{own}.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in POLICIES:

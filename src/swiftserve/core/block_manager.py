@@ -174,3 +174,16 @@ class BlockManager:
             block.block_hash = None
             block.key = None
         self._cached.clear()
+
+
+def fits_in_kv_pool(
+    request_id: str, num_tokens: int, max_model_len: int, num_blocks: int, block_size: int
+) -> None:
+    """Raise ValueError if a request of num_tokens could never fit in the KV pool."""
+    total = min(num_tokens, max_model_len)
+    needed = -(-total // block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"request {request_id!r} needs {needed} KV blocks for {total} tokens but the pool has "
+            f"{num_blocks}; raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
+        )

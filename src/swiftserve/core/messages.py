@@ -20,6 +20,10 @@ from swiftserve.sampling_params import SamplingParams
 FINISH_REJECTED = "rejected"
 FINISH_DEADLINE = "deadline_exceeded"  # the request's deadline passed or could not be met
 
+# A token id not known when the step was scheduled (async scheduling: the previous step,
+# still running, samples it); the runner reads it from its own record of sampled tokens.
+PLACEHOLDER = -1
+
 # (token_id, logprob, rank, ((top_token_id, top_logprob), ...))
 LogprobEntry = tuple[int, float, int, tuple[tuple[int, float], ...]]
 

@@ -1,6 +1,6 @@
 """What a finished step means for one request: its sampled tokens, its times, its outputs.
 
-Helpers of core/scheduler.py's ``update``; pure functions over Request and the messages.
+Helpers of core/scheduler.py; functions of a Request and the messages.
 """
 
 from __future__ import annotations
@@ -58,3 +58,27 @@ def latencies(request: Request) -> tuple[float | None, float | None]:
     if request.num_output_tokens > 1 and request.finished_time is not None:
         tpot = (request.finished_time - first) / (request.num_output_tokens - 1)
     return first - request.arrival_time, tpot
+
+
+def prompt_logprob_start(request: Request, start: int) -> int | None:
+    """The first prompt position a step starting at ``start`` reports logprobs for, or None.
+    Prompt logprobs are reported once, even if a preempted request recomputes them."""
+    if request.sampling_params.prompt_logprobs is None or request.num_output_tokens:
+        return None
+    if request.num_placeholders:  # the prompt ran in a step still in flight
+        return None
+    return max(start, request.prompt_logprob_pos)
+
+
+def check_stop(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Whether ``token``, just appended to the request's output, ends it."""
+    params = request.sampling_params
+    if request.num_output_tokens > params.min_tokens or params.min_tokens == 0:
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

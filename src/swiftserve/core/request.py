@@ -54,7 +54,10 @@ class Request:
     """A sequence being generated. Only the scheduler mutates it.
 
     ``num_computed_tokens`` catches up with ``num_tokens`` (prompt + output so far); the
-    difference is what the next steps must run through the model.
+    difference is what the next steps must run through the model. The scheduler counts a
+    step's tokens as computed when it schedules them; ``num_placeholders`` are output tokens
+    a scheduled step will sample but whose ids are not back yet (at most one; with async
+    scheduling the next step already runs the placeholder through the model).
     """
 
     request_id: str
@@ -68,6 +71,7 @@ class Request:
     deadline: float | None = None  # time.monotonic() by which it must finish (None: no deadline)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -89,6 +93,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model, the placeholder included."""
+        return self.num_tokens + self.num_placeholders - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) over prompt + output."""

@@ -9,6 +9,12 @@ Deadlines (core/deadlines.py) are checked at the start of every step: a request 
 deadline has passed, or that the step-cost model says cannot finish in time, ends with
 ``deadline_exceeded`` and frees its blocks. With latency targets, core/slo.py plans each
 step's token budget; without, the budget is ``max_num_batched_tokens``.
+
+A step's tokens count as computed when they are scheduled; a token the step will sample is a
+placeholder until ``update`` brings it back. With async scheduling (engine/core.py) the next
+step is scheduled before that: its row for the placeholder carries ``PLACEHOLDER`` as the
+token id, which the runner fills in, and a request whose tokens in flight already reach its
+limit sits the step out.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from swiftserve.core.block_manager import BlockManager
+from swiftserve.core.block_manager import BlockManager, fits_in_kv_pool
 from swiftserve.core.deadlines import DeadlineKeeper
 from swiftserve.core.messages import (
+    PLACEHOLDER,
     EngineCoreOutput,
     NewRequestData,
     RunnerOutput,
@@ -26,24 +33,18 @@ from swiftserve.core.messages import (
     SchedulerOutput,
 )
 from swiftserve.core.ngram import NgramProposer, SpecDecodeStats
-from swiftserve.core.outputs import deadline_output, latencies, request_times, sampled_tokens
+from swiftserve.core.outputs import (
+    check_stop,
+    deadline_output,
+    latencies,
+    prompt_logprob_start,
+    request_times,
+    sampled_tokens,
+)
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
 from swiftserve.core.slo import BudgetPlanner, SLOTargets
 from swiftserve.core.step_cost import StepCostModel, long_context_chunk
-
-
-def fits_in_kv_pool(
-    request_id: str, num_tokens: int, max_model_len: int, num_blocks: int, block_size: int
-) -> None:
-    """Raise ValueError if a request of num_tokens could never fit in the KV pool."""
-    total = min(num_tokens, max_model_len)
-    needed = -(-total // block_size)
-    if needed > num_blocks:
-        raise ValueError(
-            f"request {request_id!r} needs {needed} KV blocks for {total} tokens but the pool has "
-            f"{num_blocks}; raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
-        )
 
 
 class Scheduler:
@@ -64,6 +65,7 @@ class Scheduler:
         targets: SLOTargets | None = None,
         clock: Callable[[], float] = time.monotonic,
         proposer: NgramProposer | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.clock = clock  # injectable: the SLO tests run the scheduler on a simulated clock
         self.bm = block_manager
@@ -92,6 +94,10 @@ class Scheduler:
         self.spec = SpecDecodeStats()
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
         self._decode_rows = 0  # rows of this step that decode (the long-context chunk cap)
+        # Async scheduling: the next step is scheduled while this one runs (engine/core.py), so
+        # tokens not back yet are placeholders; a preempted request's runner state is rebuilt.
+        self.async_mode = async_scheduling
+        self._batches: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -153,6 +159,10 @@ class Scheduler:
         self.running.remove(victim)
         self.bm.free(victim)
         victim.num_computed_tokens = 0
+        victim.num_placeholders = 0
+        if self.async_mode:  # the runner may hold a token the scheduler will never see
+            self._finished_ids.add(victim.request_id)
+            self._new_ids.add(victim.request_id)
         victim.set_status(RequestStatus.PREEMPTED)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -170,13 +180,14 @@ class Scheduler:
         self.running.sort(key=self._key)
         index = 0
         self._drafts = {}
-        decode_rows = self._decode_rows = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        decode_rows = self._decode_rows = sum(r.num_pending == 1 for r in self.running)
         speculate = self.proposer is not None and self.proposer.pays(self.cost, decode_rows, self.num_steps)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk(
-                request.num_computed_tokens, request.num_tokens - request.num_computed_tokens, budget
-            )
+            if request.num_pending <= 0 or self._at_limit(request):
+                index += 1  # its last token is in flight; it finishes when that is back
+                continue
+            num_new = self._chunk(request.num_computed_tokens, request.num_pending, budget)
             drafts = self._propose(request, budget) if num_new == 1 and speculate else []
             if drafts and self.bm.allocate_slots(request, 1 + len(drafts)):
                 self._drafts[request.request_id] = drafts  # verified with the last token
@@ -231,6 +242,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _at_limit(self, request: Request) -> bool:
+        """A placeholder in flight already reaches max_tokens or the context length."""
+        extra = request.num_placeholders
+        return extra > 0 and (
+            request.num_output_tokens + extra >= request.max_tokens
+            or request.num_tokens + extra >= self.max_model_len
+        )
+
     def _chunk(self, context: int, wanted: int, budget: int) -> int:
         """A prompt chunk within the budget; while others decode, no bigger than a chunk whose
         attention over the context costs a full chunk from scratch (step_cost.py)."""
@@ -267,6 +286,7 @@ class Scheduler:
     def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
         items: list[ScheduledRequest] = []
         new: list[NewRequestData] = []
+        batch: list[Request] = []
         for request in self.running:
             num_new = scheduled.get(request.request_id)
             if num_new is None:
@@ -285,44 +305,51 @@ class Scheduler:
                         request.eos_token_ids,
                     )
                 )
+            end = start + num_new
+            known = min(end, request.num_tokens)  # later positions: tokens still in flight
+            sample = end == request.num_tokens + request.num_placeholders
             items.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.token_ids(start, start + num_new) + drafts,
+                    token_ids=request.token_ids(start, known) + [PLACEHOLDER] * (end - known) + drafts,
                     start_pos=start,
                     block_ids=list(self.bm.block_table(request.request_id)),
-                    sample=start + num_new == request.num_tokens,
-                    prompt_logprob_start=self._prompt_logprob_start(request, start),
+                    sample=sample,
+                    prompt_logprob_start=prompt_logprob_start(request, start),
                     num_spec=len(drafts),
                 )
             )
+            # counted as computed now (the next schedule may come before this step's result)
+            request.num_computed_tokens = end + len(drafts)
+            request.num_placeholders += sample
+            batch.append(request)
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
-        return SchedulerOutput(items, new, finished, sum(scheduled.values()), tuple(preempted))
-
-    @staticmethod
-    def _prompt_logprob_start(request: Request, start: int) -> int | None:
-        """Prompt logprobs are reported once, even if a preempted request recomputes them."""
-        if request.sampling_params.prompt_logprobs is None or request.num_output_tokens:
-            return None
-        return max(start, request.prompt_logprob_pos)
+        out = SchedulerOutput(items, new, finished, sum(scheduled.values()), tuple(preempted))
+        while len(self._batches) >= 4:  # a step that never came back (an engine fault)
+            del self._batches[next(iter(self._batches))]
+        self._batches[id(out)] = batch
+        return out
 
     # ---- results -------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advance requests by a finished step; finish those that stopped."""
         outputs = [deadline_output(r) for r in self.deadlines.take_failed()]
         now = self.clock()
-        for item in sched.scheduled:
+        batch = self._batches.pop(id(sched), None)
+        for i, item in enumerate(sched.scheduled):
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted in between
+            if batch is not None and batch[i] is not request:
+                continue  # a finished request's id, reused while its last step was in flight
             tokens, logprobs = sampled_tokens(item, result)
             # drafts the verifier rejected leave no computed tokens behind (their KV slots
-            # are simply overwritten later): computed = the step's tokens less the rejected
-            rejected = item.num_spec - max(len(tokens) - 1, 0)
-            request.num_computed_tokens += len(item.token_ids) - rejected
+            # are simply overwritten later)
+            request.num_computed_tokens -= item.num_spec - max(len(tokens) - 1, 0)
+            request.num_placeholders = max(0, request.num_placeholders - item.sample)
             if item.prompt_logprob_start is not None:
-                request.prompt_logprob_pos = request.num_computed_tokens
+                request.prompt_logprob_pos = item.start_pos + len(item.token_ids)
             new_tokens: list[int] = []
             status: RequestStatus | None = None
             for token in tokens:
@@ -330,7 +357,7 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 if request.first_token_time is None:
                     request.first_token_time = now
-                status = self._check_stop(request, token)
+                status = check_stop(request, token, self.max_model_len)
                 if status is not None:
                     break
             if item.num_spec:  # a stop inside the accepted drafts: only what precedes it counts
@@ -365,18 +392,6 @@ class Scheduler:
         assert self.proposer is not None
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
         return self.proposer.propose(request, min(budget, room) - 1)
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens > params.min_tokens or params.min_tokens == 0:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # ---- introspection -------------------------------------------------------------------
     def slo_stats(self) -> dict[str, float]:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from swiftserve import startup
 from swiftserve.config import EngineConfig
+from swiftserve.core.block_manager import fits_in_kv_pool
 from swiftserve.core.messages import FINISH_DEADLINE, FINISH_REJECTED, Abort, Add, EngineCoreOutput
-from swiftserve.core.scheduler import fits_in_kv_pool
 from swiftserve.engine.core_client import ProcessCoreClient, ThreadCoreClient, start_core_client
 from swiftserve.engine.frontend import Frontend
 from swiftserve.engine.inputs import InvalidRequestError, ProcessedPrompt, Prompt

@@ -10,17 +10,22 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
-from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
+from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest, RunnerOutput, SchedulerOutput
 from swiftserve.core.ngram import NgramProposer
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.scheduler import Scheduler
 from swiftserve.core.slo import SLOTargets
 from swiftserve.engine.step_log import StepLog
 from swiftserve.worker.executor import Executor, UniProcExecutor
+
+if TYPE_CHECKING:
+    from swiftserve.worker.step_stream import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,10 @@ class EngineCore:
                 config.target_tpot_ms / 1000 if config.target_tpot_ms else None,
             ),
             proposer=proposer,
+            async_scheduling=config.async_scheduling,
         )
+        self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
+        self.wakeups_us: deque[float] = deque(maxlen=2048)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         # Everything allocated so far lives as long as the engine: keep the cyclic GC from
         # walking it on every collection during steps (DESIGN.md, performance rules).
@@ -102,19 +110,61 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over the scheduled tokens; returns what changed."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
         sched = self.scheduler.schedule()
         predicted = self._predict(sched) if self.step_log is not None else 0.0
         start = time.perf_counter()
         result = self.executor.execute_model(sched)
-        seconds = time.perf_counter() - start
-        if self.step_log is not None:
+        return self._apply(sched, result, time.perf_counter() - start, predicted)
+
+    def _step_overlapped(self) -> list[EngineCoreOutput]:
+        """Schedule and queue step N+1, then wait for step N and apply its result.
+
+        Step N+1 is scheduled while step N still runs on the step thread (tokens it has not
+        sampled yet are placeholders the runner fills in), and step N's result is applied
+        while step N+1 runs: the engine thread's work hides under the forward passes. The
+        first call only launches; a call with nothing left to schedule only drains.
+        """
+        launched = None
+        if self.scheduler.has_unfinished():
+            sched = self.scheduler.schedule()
+            predicted = self._predict(sched) if self.step_log is not None else 0.0
+            launched = (sched, self.executor.submit_model(sched), predicted)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
+            return []
+        sched, handle, predicted = previous
+        done = handle.result()
+        self.wakeups_us.append(done.wakeup_s * 1e6)
+        return self._apply(sched, done.output, done.seconds, predicted)
+
+    def _apply(
+        self, sched: SchedulerOutput, result: RunnerOutput, seconds: float, predicted: float
+    ) -> list[EngineCoreOutput]:
+        if self.step_log is not None:  # (with async scheduling, the budget is the next step's)
             self.step_log.record(self.scheduler, sched, seconds, predicted)
         self.scheduler.observe_step(sched, seconds)
         return self.scheduler.update(sched, result)
+
+    def wakeup_stats(self) -> dict[str, float]:
+        """How long the engine thread took to resume after a step ended (async scheduling)."""
+        if not self.wakeups_us:
+            return {}
+        values = sorted(self.wakeups_us)
+        return {
+            "step_wakeup_us_p50": values[len(values) // 2],
+            "step_wakeup_us_p99": values[min(len(values) - 1, int(len(values) * 0.99))],
+        }
 
     def _predict(self, sched: SchedulerOutput) -> float:
         rows = sum(1 for item in sched.scheduled if len(item.token_ids) == 1)
         return self.scheduler.cost.predict(sched.num_batched_tokens - rows, rows)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests left to step, or a step still in flight whose result is not applied."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (and the step thread)."""
+        self.executor.shutdown()

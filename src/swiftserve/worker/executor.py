@@ -15,6 +15,7 @@ from swiftserve.config import EngineConfig
 from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from swiftserve.worker.step_stream import StepHandle, StepStream
     from swiftserve.worker.worker import Worker
 
 
@@ -35,6 +36,10 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """One forward pass over the scheduled tokens; sampled tokens back."""
 
+    def submit_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Queue a step behind those in flight (async scheduling); wait on the handle."""
+        raise NotImplementedError(f"{type(self).__name__} does not run steps asynchronously")
+
     def check_health(self) -> None:  # noqa: B027 (optional hook: in-process workers cannot vanish)
         """Raise if a worker is gone."""
 
@@ -52,6 +57,8 @@ class UniProcExecutor(Executor):
 
         self.worker: Worker = Worker(config, model_dir, progress=progress)
         self.model_info = self.worker.model_info
+        self._busy_poll = config.busy_poll
+        self._stream: StepStream | None = None
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
@@ -61,3 +68,15 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        if self._stream is None:  # started on first use: the worker is fully built by then
+            from swiftserve.worker.step_stream import StepStream
+
+            self._stream = StepStream(self.worker.execute_model, busy_poll=self._busy_poll)
+        return self._stream.submit(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.shutdown()
+            self._stream = None

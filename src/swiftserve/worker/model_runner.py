@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swiftserve.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
+from swiftserve.core.messages import PLACEHOLDER, RunnerOutput, ScheduledRequest, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata, PrefillSegment
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.model.ops import TorchOps
@@ -103,6 +103,17 @@ class ModelRunner:
             self.states[new.request_id] = state
 
     # ---- batch preparation ---------------------------------------------------------------
+    def _tokens(self, s: ScheduledRequest) -> list[int]:
+        """The step's token ids, placeholders (always at the tail: tokens sampled by the step
+        before, scheduled before it finished) read from this runner's own sampled tokens."""
+        ids = s.token_ids
+        if ids[-1] != PLACEHOLDER:
+            return ids
+        state = self.states[s.request_id]
+        offset = s.start_pos - len(state.prompt_token_ids)
+        out = state.output_token_ids
+        return [t if t != PLACEHOLDER else out[offset + i] for i, t in enumerate(ids)]
+
     def _slots_for(self, block_ids: list[int], positions: np.ndarray) -> np.ndarray:
         table = np.asarray(block_ids, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -127,7 +138,7 @@ class ModelRunner:
         for s in prefill:
             n = len(s.token_ids)
             positions = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
-            self._ids[row : row + n] = s.token_ids
+            self._ids[row : row + n] = self._tokens(s)
             self._pos[row : row + n] = positions
             self._slots[row : row + n] = self._slots_for(s.block_ids, positions)
             if not fused:
@@ -170,7 +181,7 @@ class ModelRunner:
     def _prepare_decode(self, decode: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = len(decode)
         positions = np.fromiter((s.start_pos for s in decode), dtype=np.int64, count=batch)
-        self._ids[:batch] = [s.token_ids[0] for s in decode]
+        self._ids[:batch] = [self._tokens(s)[0] for s in decode]
         self._pos[:batch] = positions
         table = self._block_tables(decode)
         num_blocks = table.shape[1]
@@ -296,7 +307,7 @@ class ModelRunner:
         tables = self._block_tables(scheduled)
         bs = self.block_size
         slots = tables[np.arange(batch), positions // bs] * bs + positions % bs
-        ids = np.fromiter((s.token_ids[0] for s in scheduled), dtype=np.int64, count=batch)
+        ids = np.fromiter((self._tokens(s)[0] for s in scheduled), dtype=np.int64, count=batch)
         logits = self.graphs.run(ids, positions, slots, tables).cpu()
         self._sample(logits, [(i, s.request_id) for i, s in enumerate(scheduled)], result)
         return result
