@@ -4,7 +4,8 @@ Stages: the machine's ceilings (device copy bandwidth, bf16 matmul), the GPU tes
 (``pytest -m gpu`` and the Triton kernel tests on the GPU), parity with transformers on the GPU
 (float32, greedy; a divergence reports the logit margin), graph-vs-eager bitwise, then TPOT at
 batch 1 and 64 and offline throughput for the SmolLM-135M shape and a Llama-3-8B shape (dummy
-weights), eager vs CUDA graphs, and transformers on the same GPU. ``results.json`` is
+weights), eager vs CUDA graphs vs graphs with async scheduling (and busy-poll), and
+transformers on the same GPU. ``results.json`` is
 rewritten after every stage, so a timeout still leaves data. ``--smoke`` runs a CPU version
 (tiny model, PyTorch backend) so the script cannot rot in CI.
 """
@@ -93,14 +94,16 @@ def run_tests(root: Path) -> dict[str, Any]:
     return {"returncode": proc.returncode, "tail": proc.stdout[-1500:] + proc.stderr[-500:]}
 
 
-def parity(model_dir: Path, device: str, backend: str) -> dict[str, Any]:
+def parity(model_dir: Path, device: str, backend: str, **options: Any) -> dict[str, Any]:
     """Greedy tokens of our engine vs transformers (float32) on the same device."""
     from transformers import AutoModelForCausalLM
 
     from swiftserve import LLM, SamplingParams
 
     prompts = [[5, 17, 99, 3, 250], [7] * 9, list(range(20, 60)), [300, 2, 11]]
-    llm = LLM(str(model_dir), dtype="float32", device=device, kernel_backend=backend, progress=False)
+    llm = LLM(
+        str(model_dir), dtype="float32", device=device, kernel_backend=backend, progress=False, **options
+    )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()  # type: ignore[arg-type]
@@ -168,6 +171,7 @@ def speed(model_dir: Path, device: str, label: str, extra: dict[str, Any], batch
             "output_tokens_per_s": batch * io[1] / wall,
             "wall_s": round(wall, 2),
         }
+    result.update(llm.engine.wakeup_stats())  # async scheduling: the engine thread's wake-ups
     return result
 
 
@@ -262,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     if args.smoke:
         check.stage("parity_cpu", lambda: parity(tiny, "cpu", "torch"))
+        check.stage("parity_cpu_async", lambda: parity(tiny, "cpu", "torch", async_scheduling=True))
         check.stage("speed_tiny_cpu", lambda: speed(tiny, "cpu", "tiny cpu", {}, (1, 4), (16, 8)))
+        cpu_async = {"async_scheduling": True}
+        check.stage(
+            "speed_tiny_cpu_async", lambda: speed(tiny, "cpu", "tiny cpu async", cpu_async, (1, 4), (16, 8))
+        )
         return 0 if all(r.get("ok", True) for r in check.results.values()) else 1
     smol = write_random_checkpoint(models / "smollm", preset="smollm-135m", architecture="llama", seed=0)
     stages: list[tuple[str, Callable[[], Any]]] = [
@@ -270,10 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         ("tests", lambda: run_tests(root)),
         ("parity_cuda_triton", lambda: parity(tiny, "cuda", "triton")),
         ("parity_cuda_torch", lambda: parity(tiny, "cuda", "torch")),
+        ("parity_cuda_async", lambda: parity(tiny, "cuda", "triton", async_scheduling=True)),
         ("graph_vs_eager", lambda: graph_vs_eager(tiny)),
     ]
     graphs = (1, 2, 4, 8, 16, 32, 64)
-    for label, extra in (("graphs", {"cuda_graph_sizes": graphs}), ("eager", {"enforce_eager": True})):
+    overlap: dict[str, Any] = {"cuda_graph_sizes": graphs, "async_scheduling": True}
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("graphs", {"cuda_graph_sizes": graphs}),
+        ("graphs_overlap", overlap),
+        ("graphs_overlap_busy_poll", {**overlap, "busy_poll": True}),
+        ("eager", {"enforce_eager": True}),
+    )
+    for label, extra in variants:
         opts = {"dtype": "bfloat16", "max_num_seqs": 64, **extra}
         stages.append((f"smollm_{label}", partial(speed, smol, "cuda", label, opts, (1, 64), (128, 128))))
     stages.append(("smollm_transformers", lambda: hf_throughput(smol, 64, (128, 128))))
@@ -281,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     big = dummy_8b(models, smol)
     big_opts = {"load_format": "dummy", "max_model_len": 1024}
     stages.append(("llama8b_step_profile", lambda: step_profile(big, **big_opts)))
-    for label, extra in (("graphs", {"cuda_graph_sizes": graphs}), ("eager", {"enforce_eager": True})):
+    for label, extra in variants[:2] + variants[3:]:
         opts = {
             "dtype": "bfloat16",
             "max_num_seqs": 64,

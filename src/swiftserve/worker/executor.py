@@ -8,8 +8,9 @@ parallel, Ray) go beside it without touching EngineCore.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
@@ -17,6 +18,8 @@ from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
 if TYPE_CHECKING:
     from swiftserve.worker.step_stream import StepHandle, StepStream
     from swiftserve.worker.worker import Worker
+
+T = TypeVar("T")
 
 
 class Executor(ABC):
@@ -55,26 +58,33 @@ class UniProcExecutor(Executor):
         # (the server's frontend imports this module's callers but never builds a worker).
         from swiftserve.worker.worker import Worker
 
-        self.worker: Worker = Worker(config, model_dir, progress=progress)
-        self.model_info = self.worker.model_info
-        self._busy_poll = config.busy_poll
         self._stream: StepStream | None = None
+        if config.async_scheduling:  # all torch work on the step thread (worker/step_stream.py)
+            from swiftserve.worker.step_stream import StepStream
+
+            self._stream = StepStream(busy_poll=config.busy_poll)
+        self.worker: Worker = self._call(Worker, config, model_dir, progress=progress)
+        self.model_info = self.worker.model_info
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """On the step thread when there is one, else here."""
+        if self._stream is None:
+            return fn(*args, **kwargs)
+        return self._stream.call(fn, *args, **kwargs)
 
     def determine_num_kv_blocks(self) -> int:
-        return self.worker.determine_num_kv_blocks()
+        return self._call(self.worker.determine_num_kv_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+        self._call(self.worker.initialize_kv_cache, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        if self._stream is None:  # started on first use: the worker is fully built by then
-            from swiftserve.worker.step_stream import StepStream
-
-            self._stream = StepStream(self.worker.execute_model, busy_poll=self._busy_poll)
-        return self._stream.submit(scheduler_output)
+        if self._stream is None:
+            raise RuntimeError("submit_model needs async_scheduling")
+        return self._stream.submit(self.worker.execute_model, scheduler_output)
 
     def shutdown(self) -> None:
         if self._stream is not None:
