@@ -112,6 +112,37 @@ def test_paged_attention_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("window", [None, 7])
+def test_split_kv_decode_matches_reference(dtype: torch.dtype, splits: int, window: int | None) -> None:
+    """The keys split across programs (3 splits of 5 blocks: 2 + 2 + 1; rows at position 0
+    and windows leave whole splits without a key) and merged give the one-pass answer."""
+    from swiftserve.model.triton_kernels import paged_rows
+
+    q, kc, vc, meta = paged_case(dtype, 6, 2, window, seed=11 + splits)
+    ref = REF.paged_decode(q, kc, vc, meta)
+    assert meta.decode_tables is not None and meta.decode_positions is not None
+    d = to(meta, DEVICE)
+    assert d.decode_tables is not None and d.decode_positions is not None
+    ours = paged_rows(
+        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), d.decode_tables, d.decode_positions,
+        q.shape[-1] ** -0.5, window, num_splits=splits,
+    )  # fmt: skip
+    close(ours.cpu(), ref, dtype)
+
+
+def test_split_plan_fills_the_device_only_at_small_batch() -> None:
+    from swiftserve.model.triton_kernels import plan_splits
+
+    assert plan_splits(3, 64, 132) == (4, 16)  # batch 1, 3 KV heads, 1024 tokens: 16 splits
+    assert plan_splits(3, 66, 132) == (5, 14)  # splits cover every block, none empty by shape
+    assert plan_splits(192, 64, 132) == (64, 1)  # a full grid already
+    assert plan_splits(3, 6, 132) == (6, 1)  # too short to split
+    per_split, splits = plan_splits(9, 200, 132)
+    assert per_split >= 4 and (splits - 1) * per_split < 200 <= splits * per_split
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
     kv_heads, dim = 2, 32

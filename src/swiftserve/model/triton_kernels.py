@@ -6,11 +6,13 @@ them on the CPU under ``TRITON_INTERPRET=1`` (whose bfloat16 arithmetic is unrel
 
 Paged attention answers one query row per program and KV head (its ``GROUP`` query heads
 together), walking the row's block table up to its position, which it reads on the device:
-the grid is fixed by the batch, so a step can be captured in a CUDA graph.
+the grid is fixed by the shapes, so a step can be captured in a CUDA graph. At small batch
+a long table is split across programs too (split-KV decode, merged by a second kernel).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -141,12 +143,17 @@ def write_kv_(
 
 
 @triton.jit
-def _paged_rows_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr, out_ptr, scale, window,
-                       num_heads, table_row_stride, total_slots, q_row_stride,
+def _paged_rows_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr, out_ptr, part_ptr, scale, window,
+                       num_heads, table_row_stride, total_slots, q_row_stride, blocks_per_split,
+                       table_width, num_splits,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+                       BLOCK_SIZE: tl.constexpr, LOOP: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """One program: a query row, a KV head (its GROUP query heads), and one split of the row's
+    blocks. Without SPLIT it writes the output; with it, the split's running max, denominator
+    and weighted sum (in float32) for _merge_splits_kernel."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     heads = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     hmask = heads < GROUP
@@ -159,14 +166,18 @@ def _paged_rows_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr, out_ptr, scale
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_SIZE)
-    if MAX_BLOCKS > 0:  # the CPU interpreter cannot loop to a bound read at run time
-        lo, hi = 0, MAX_BLOCKS
-    else:
-        lo, hi = first // BLOCK_SIZE, pos // BLOCK_SIZE + 1
-    for b in range(lo, hi):
-        block = tl.load(table_ptr + row * table_row_stride + b)
+    base = split * blocks_per_split
+    if LOOP > 0:  # the CPU interpreter cannot loop to a bound read at run time
+        lo, hi = 0, LOOP
+    else:  # only the blocks of this split that hold keys in range (none past the position)
+        lo = tl.maximum(first // BLOCK_SIZE - base, 0)
+        hi = tl.minimum(pos // BLOCK_SIZE + 1 - base, blocks_per_split)
+    for i in range(lo, hi):
+        b = base + i
+        inside = b < table_width  # (the interpreter's fixed loop runs past the table)
+        block = tl.load(table_ptr + row * table_row_stride + b, mask=inside, other=0)
         key_pos = b * BLOCK_SIZE + offs
-        valid = (key_pos <= pos) & (key_pos >= first)
+        valid = (key_pos <= pos) & (key_pos >= first) & inside
         kv_off = (kv_head * total_slots + block * BLOCK_SIZE + offs)[:, None] * D + dims[None, :]
         kvmask = valid[:, None] & dmask[None, :]
         k = tl.load(kc_ptr + kv_off, mask=kvmask, other=0.0).to(tl.float32)
@@ -180,9 +191,60 @@ def _paged_rows_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, pos_ptr, out_ptr, scale
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = acc / denom[:, None]
-    out_off = row * num_heads * D + (kv_head * GROUP + heads)[:, None] * D + dims[None, :]
-    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    head_ids = kv_head * GROUP + heads
+    if SPLIT:  # partials at [row, head, split]: max, denominator, then D weighted sums
+        slot = ((row * num_heads + head_ids) * num_splits + split) * (D + 2)
+        tl.store(part_ptr + slot, m, mask=hmask)
+        tl.store(part_ptr + slot + 1, denom, mask=hmask)
+        tl.store(part_ptr + slot[:, None] + 2 + dims[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+    else:
+        out = acc / denom[:, None]
+        out_off = row * num_heads * D + head_ids[:, None] * D + dims[None, :]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, out_ptr, num_heads, num_splits, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """out[row, head] from the splits' partials, each rescaled to the overall max."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    smask = splits < num_splits
+    slot = ((row * num_heads + head) * num_splits + splits) * (D + 2)
+    m = tl.load(part_ptr + slot, mask=smask, other=float("-inf"))
+    denom = tl.load(part_ptr + slot + 1, mask=smask, other=0.0)
+    acc = tl.load(
+        part_ptr + slot[:, None] + 2 + dims[None, :], mask=smask[:, None] & (dims < D)[None, :], other=0.0
+    )
+    top = tl.max(m, axis=0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))  # a split with no key adds nothing
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * denom, axis=0)
+    tl.store(out_ptr + (row * num_heads + head) * D + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
+
+
+MIN_BLOCKS_PER_SPLIT = 4  # below this a split's fixed cost outweighs its share of the keys
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep the device busy: one per multiprocessor (128 for the interpreter)."""
+    if device.type != "cuda":
+        return 128
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def plan_splits(programs: int, table_width: int, target: int) -> tuple[int, int]:
+    """(blocks per split, splits) for ``programs`` row x KV-head pairs over ``table_width``
+    blocks: split the keys only while the grid is too small to fill the device (decode at small
+    batch), never below MIN_BLOCKS_PER_SPLIT blocks a split. Fixed by the shapes alone, so a
+    captured graph keeps its grid; splits past a row's position return at once."""
+    if programs >= target or table_width < 2 * MIN_BLOCKS_PER_SPLIT:
+        return max(table_width, 1), 1
+    splits = min(-(-target // programs), table_width // MIN_BLOCKS_PER_SPLIT)
+    per_split = -(-table_width // splits)
+    return per_split, -(-table_width // per_split)
 
 
 def paged_rows(
@@ -193,20 +255,40 @@ def paged_rows(
     positions: torch.Tensor,
     scale: float,
     window: int | None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of each query row q[r] [H, D] over its request's keys 0..positions[r]
-    (the last ``window`` of them with a sliding window), read through block table tables[r]."""
+    (the last ``window`` of them with a sliding window), read through block table tables[r].
+    Long tables at small batch are split across programs (``plan_splits``; ``num_splits``
+    forces a count) and merged in a second kernel (split-KV decode)."""
     rows, num_heads, dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     assert tables.stride(-1) == 1 and positions.is_contiguous()
     group = num_heads // kv_heads
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     out = torch.empty(rows, num_heads, dim, dtype=q.dtype, device=q.device)
-    if rows:
-        _paged_rows_kernel[(rows, kv_heads)](
-            q, k_cache, v_cache, tables, positions, out, scale, window or 2**30,
-            num_heads, tables.stride(0), num_blocks * block_size, q.stride(0),
-            GROUP=group, BLOCK_G=max(2, triton.next_power_of_2(group)), D=dim, BLOCK_D=_block(dim),
-            BLOCK_SIZE=block_size, MAX_BLOCKS=tables.shape[1] if INTERPRET else 0,
+    if not rows:
+        return out
+    width = tables.shape[1]
+    if num_splits is None:
+        per_split, splits = plan_splits(rows * kv_heads, width, _target_programs(q.device))
+    else:
+        per_split = -(-width // num_splits)
+        splits = -(-width // per_split)
+    parts = (
+        torch.empty(rows, num_heads, splits, dim + 2, dtype=torch.float32, device=q.device)
+        if splits > 1
+        else out
+    )
+    _paged_rows_kernel[(rows, kv_heads, splits)](
+        q, k_cache, v_cache, tables, positions, out, parts, scale, window or 2**30,
+        num_heads, tables.stride(0), num_blocks * block_size, q.stride(0), per_split, width, splits,
+        GROUP=group, BLOCK_G=max(2, triton.next_power_of_2(group)), D=dim, BLOCK_D=_block(dim),
+        BLOCK_SIZE=block_size, LOOP=per_split if INTERPRET else 0, SPLIT=splits > 1,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(rows, num_heads)](
+            parts, out, num_heads, splits,
+            D=dim, BLOCK_D=_block(dim), BLOCK_S=max(2, triton.next_power_of_2(splits)),
         )  # fmt: skip
     return out
