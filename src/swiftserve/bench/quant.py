@@ -22,6 +22,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    "int8-lm-head": {"dtype": "bfloat16", "quantization": "int8", "quantize_lm_head": True},
     "int4-g32": {"dtype": "bfloat16", "quantization": "int4", "quant_group_size": 32},
     "int4-g64": {"dtype": "bfloat16", "quantization": "int4", "quant_group_size": 64},
     "int4-g128": {"dtype": "bfloat16", "quantization": "int4", "quant_group_size": 128},

@@ -1,6 +1,7 @@
 """One C++ call for the whole decoder stack (``kernels/layer_stack.cpp``), when it applies.
 
-It applies to bfloat16 models whose linears are all ``PanelLinear`` (our GEMM) and to steps
+It applies to bfloat16 models whose linears are all ``PanelLinear`` (our GEMM) or INT8 layers
+on the W8A8 VNNI kernel (``Int8Linear.vnni``), and to steps
 whose every row goes through the fused attention kernel (decode rows, and prompt rows when
 the runner sends them there). It computes exactly what the Python layer loop computes with
 the kernels on (same functions, same order: bit-identical), without ~20 interpreter-level
@@ -15,11 +16,22 @@ import torch
 
 from swiftserve.model.attention import AttentionMetadata
 from swiftserve.model.packed_linear import PanelLinear
+from swiftserve.model.quant_linear import Int8Linear
 
 if TYPE_CHECKING:
     from swiftserve.model.llama import LlamaForCausalLM
 
-_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+_NONE = torch.empty(0, dtype=torch.bfloat16)  # no bias; no scale (a bf16 weight)
+
+
+def _linear(module: Any) -> list[torch.Tensor] | None:
+    """[weight, scale, group sums] of a linear the stack can run (empty tensors for a bf16
+    one), or None."""
+    if isinstance(module, PanelLinear):
+        return [module.packed, _NONE, _NONE]
+    if isinstance(module, Int8Linear) and module.vnni:
+        return [module.qweight, module.scale, module.wsum]
+    return None
 
 
 def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
@@ -35,14 +47,21 @@ def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
             block.mlp.gate_up_proj,
             block.mlp.down_proj,
         ]
-        panels = [m for m in linears if isinstance(m, PanelLinear)]
-        if len(panels) != 4 or any(m.bias is not None for m in panels[1:]):
+        runnable = [_linear(m) for m in linears]
+        if any(r is None for r in runnable) or any(m.bias is not None for m in linears[1:]):
             return None
-        qkv, o, gate_up, down = panels
-        bias = qkv.bias if qkv.bias is not None else _NO_BIAS
-        weights += [block.input_layernorm.weight, qkv.packed, bias, o.packed]
-        weights += [block.post_attention_layernorm.weight, gate_up.packed, down.packed]
+        qkv, o, gate_up, down = runnable
+        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        bias = linears[0].bias if linears[0].bias is not None else _NONE
+        weights += [block.input_layernorm.weight, *qkv, bias, *o]
+        weights += [block.post_attention_layernorm.weight, *gate_up, *down]
     return weights
+
+
+def int8_stack(weights: list[torch.Tensor]) -> bool:
+    """Whether the stack's linears are INT8 (W8A8 at any batch size, the same kernels and the
+    same switch at INT8_VNNI_MAX_ROWS as Int8Linear.forward: bit-identical at every size)."""
+    return any(w.dtype == torch.int8 for w in weights)
 
 
 def applies(meta: AttentionMetadata, num_tokens: int) -> bool:

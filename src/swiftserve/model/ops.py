@@ -219,7 +219,10 @@ class CpuOps(TorchOps):
     def stack_weights(self, model: nn.Module) -> list[torch.Tensor] | None:
         from swiftserve.model import layer_stack
 
-        return layer_stack.stack_weights(model) if self.options.layer_stack else None  # type: ignore[arg-type]
+        weights = layer_stack.stack_weights(model) if self.options.layer_stack else None  # type: ignore[arg-type]
+        if weights is not None and layer_stack.int8_stack(weights):  # no oneDNN bf16 copies to defer to
+            self.stack_max_rows = 1 << 30
+        return weights
 
     def decoder_stack(self, model: Any, weights: list[torch.Tensor], h: torch.Tensor, rope: Any,
                       kv_caches: Any, meta: AttentionMetadata) -> torch.Tensor | None:  # fmt: skip

@@ -4,12 +4,16 @@ Each layer keeps only its quantized weight and picks a kernel by the number of r
 
 * few rows (decode): a fused kernel that reads the small weight once per call; this is where
   quantization pays, because decode streams every weight from memory once per step. INT8
-  uses our own kernel (model/kernels/gemv.cpp) over a weight packed as [N/4, K/16, 4, 16],
-  about 1.5-1.8x faster at batch 1 than PyTorch's ``_weight_int8pack_mm``; INT4 uses
-  PyTorch's ``_weight_int4pack_mm_for_cpu``;
+  uses our own kernels: on AVX512-VNNI CPUs, bfloat16 activations are quantized to int8 per
+  64 inputs and multiplied in integers (W8A8, model/kernels/gemv_vnni.cpp, over the plain
+  int8 [N, K] weight); elsewhere, and for float32 (the reference dtype, kept exact), the float
+  kernel of model/kernels/gemv.cpp over a weight packed as [N/4, K/16, 4, 16], about 1.5-1.8x
+  faster at batch 1 than PyTorch's ``_weight_int8pack_mm``; INT4 uses PyTorch's
+  ``_weight_int4pack_mm_for_cpu``;
 * many rows (prefill, big batches): those kernels redo the int-to-float conversion for every
   few rows, so the layer dequantizes the weight once into the compute dtype and runs a
-  dense GEMM instead.
+  dense GEMM instead; on VNNI CPUs (bfloat16) it quantizes each activation row to int8 and
+  runs oneDNN's int8 GEMM (``torch._int_mm``, AMX where there is one) on the same weight.
 
 The crossover sizes were measured on this machine (docs/benchmarks.md). Where a fused kernel
 is missing (another device, an odd shape), the dequantize-then-GEMM path serves every size:
@@ -42,6 +46,8 @@ logger = logging.getLogger(__name__)
 INT8_FUSED_MAX_ROWS = 32
 INT4_FUSED_MAX_ROWS = 128
 TILE_ROWS, TILE_K = 4, 16  # the packed layout of gemv.cpp
+INT8_VNNI_MAX_ROWS = 8  # W8A8 GEMV up to here, int8_mm_rows above (measured; = ops.h's constant)
+VNNI_GROUP = 64  # activation inputs per quantization group in gemv_vnni.cpp
 
 
 def _fused_ok(x: torch.Tensor) -> bool:
@@ -60,11 +66,28 @@ def unpack_rows4(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, pieces * TILE_K)
 
 
+def group_sums(q: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K / 64]: each row's sum over each activation group (gemv_vnni.cpp's shift)."""
+    n, k = q.shape
+    return q.view(n, k // VNNI_GROUP, VNNI_GROUP).sum(-1, dtype=torch.int32).contiguous()
+
+
+def w8a8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale).T with x quantized per row (dynamic, symmetric) for oneDNN's int8 GEMM:
+    the PyTorch reference of the kernels' ``int8_mm_rows``."""
+    xf = x.float()
+    xs = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+    xq = torch.round(xf / xs).clamp_(-127, 127).to(torch.int8)
+    acc = torch._int_mm(xq, q.t())
+    return (acc.float() * xs * scale.float()).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """Linear layer over an INT8 weight with one scale per output channel."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    wsum: torch.Tensor
 
     def __init__(self, linear: nn.Linear, kernels: Any = None):
         super().__init__()
@@ -73,13 +96,16 @@ class Int8Linear(nn.Module):
         dtype = linear.weight.dtype
         q, scale = quantize_int8(linear.weight.detach())
         self.kernel = _gemv_kernel(linear.weight, self.out_features, self.in_features, kernels)
-        self.register_buffer("qweight", pack_rows4(q) if self.kernel is not None else q)
+        # W8A8 where the CPU multiplies bytes (bfloat16 models only: float32 stays exact)
+        self.vnni = self.kernel is not None and dtype == torch.bfloat16 and _vnni_ok(self.kernel, q.shape)
+        self.register_buffer("qweight", q if self.vnni or self.kernel is None else pack_rows4(q))
+        self.register_buffer("wsum", group_sums(q) if self.vnni else torch.empty(0, dtype=torch.int32))
         self.register_buffer("scale", scale.to(dtype))
         self.bias = linear.bias
 
     def int8_values(self) -> torch.Tensor:
         """The INT8 weight [N, K]."""
-        return unpack_rows4(self.qweight) if self.kernel is not None else self.qweight
+        return unpack_rows4(self.qweight) if self.kernel is not None and not self.vnni else self.qweight
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer computes with, in the compute dtype."""
@@ -87,7 +113,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few = x.shape[0] <= INT8_FUSED_MAX_ROWS and _fused_ok(x)
-        if few and self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
+        if self.vnni and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            if x.shape[0] <= INT8_VNNI_MAX_ROWS:
+                out = self.kernel.int8_gemv_vnni(x.contiguous(), self.qweight, self.wsum, self.scale)
+            else:
+                out = self.kernel.int8_mm_rows(x.contiguous(), self.qweight, self.scale)
+        elif few and self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
             out = self.kernel.int8_gemv(x.contiguous(), self.qweight, self.scale)
         elif few and self.kernel is None:
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale)
@@ -97,6 +128,12 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def _vnni_ok(kernels: Any, shape: torch.Size) -> bool:
+    n, k = shape
+    has = getattr(kernels, "int8_vnni_available", None)
+    return bool(has is not None and has() and n % TILE_ROWS == 0 and k % VNNI_GROUP == 0)
 
 
 def _gemv_kernel(weight: torch.Tensor, n: int, k: int, kernels: Any) -> Any:

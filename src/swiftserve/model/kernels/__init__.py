@@ -28,6 +28,7 @@ _SOURCES = (
     "paged_decode.cpp",
     "layer_ops.cpp",
     "gemv.cpp",
+    "gemv_vnni.cpp",
     "bf16_gemm.cpp",
     "layer_stack.cpp",
     "bindings.cpp",

@@ -1,5 +1,6 @@
 // The whole decoder stack of a bfloat16 Llama-family model in one call, for steps whose every
-// row goes through the fused attention kernel.
+// row goes through the fused attention kernel. Each linear is our bf16 panel GEMM or, in an
+// INT8 model on an AVX512-VNNI CPU, the W8A8 GEMV (kernels/gemv_vnni.cpp).
 //
 // Why: a decode step of SmolLM-135M makes ~600 Python-level calls (30 layers x norms, four
 // linears, rotary, K/V write, attention, SiLU-and-mul, module __call__s). Single-stream that
@@ -14,15 +15,24 @@
 #include "ops.h"
 
 namespace {
-constexpr size_t PER_LAYER = 7;  // input_norm, qkv, qkv_bias, o, post_norm, gate_up, down
+// input_norm, qkv (w, scale, wsum), qkv_bias, o (3), post_norm, gate_up (3), down (3)
+constexpr size_t PER_LAYER = 15;
 
 c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
   return t.defined() && t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
+
+// w[0..2]: a bf16 panel-packed weight and two empty tensors, or an INT8 weight, its per-row
+// scale and group sums (the bias added after, as Int8Linear.forward does).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, c10::optional<torch::Tensor> bias) {
+  if (w[1].numel() == 0) return bf16_linear(x, w[0], n, bias);
+  auto out = x.size(0) <= INT8_VNNI_MAX_ROWS ? int8_gemv_vnni(x, w[0], w[2], w[1]) : int8_mm_rows(x, w[0], w[1]);
+  return bias ? out + *bias : out;
+}
 }  // namespace
 
 // h: [T, hidden] embeddings. layers: PER_LAYER tensors per layer (packed weights as made by
-// PanelLinear; an empty qkv_bias means none). dims: {num_heads, num_kv_heads, head_dim, hidden,
+// PanelLinear or Int8Linear, an empty scale for a bf16 one; an empty qkv_bias means none). dims: {num_heads, num_kv_heads, head_dim, hidden,
 // intermediate}; scale: the attention scale as Python computes it. Returns the final-normed
 // hidden states [T, hidden].
 torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_caches,
@@ -44,17 +54,17 @@ torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, 
     } else {
       h = add_rms_norm(h, residual, w[0], eps);  // residual += h, in place
     }
-    auto qkv = bf16_linear(h, w[1], q_size + 2 * kv_size, maybe(w[2]));
+    auto qkv = linear(h, w + 1, q_size + 2 * kv_size, maybe(w[4]));
     rope_qk_(qkv, cos, sin, H + KVH, D);
     auto q = qkv.narrow(1, 0, q_size).view({T, H, D});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, KVH, D});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, KVH, D});
     write_kv_(k, v, k_caches[l], v_caches[l], slots);
     auto attn = paged_decode(q.contiguous(), k_caches[l], v_caches[l], tables, positions, scale, window);
-    h = bf16_linear(attn.view({T, q_size}), w[3], hidden, c10::nullopt);
-    h = add_rms_norm(h, residual, w[4], eps);
-    auto act = silu_and_mul(bf16_linear(h, w[5], 2 * inter, c10::nullopt));
-    h = bf16_linear(act, w[6], hidden, c10::nullopt);
+    h = linear(attn.view({T, q_size}), w + 5, hidden, c10::nullopt);
+    h = add_rms_norm(h, residual, w[8], eps);
+    auto act = silu_and_mul(linear(h, w + 9, 2 * inter, c10::nullopt));
+    h = linear(act, w + 12, hidden, c10::nullopt);
   }
   return add_rms_norm(h, residual, final_norm, eps);
 }

@@ -11,6 +11,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 void rope_qk_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t d);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+bool int8_vnni_available();
+torch::Tensor int8_gemv_vnni(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, torch::Tensor scale);
+torch::Tensor int8_mm_rows(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+constexpr int64_t INT8_VNNI_MAX_ROWS = 8;  // the GEMV up to here, int8_mm_rows above (quant_linear.py)
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 bool bf16_gemm_available();
 int64_t bf16_gemm_panel_width();

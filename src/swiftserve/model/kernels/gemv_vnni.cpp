@@ -1,0 +1,190 @@
+// INT8 decode GEMV on AVX512-VNNI: int8 weights times int8-quantized activations (W8A8).
+//
+// The float kernel of gemv.cpp widens every 16 weights to float32 before its FMAs: at batch 1
+// that is compute-bound at about half the memory bandwidth (SmolLM shape: INT8 0.92x of
+// bfloat16's TPOT on the AMX machine). Here one vpdpbusd multiplies 64 weights of a row with
+// 64 activations and sums them in 16 int32 lanes: a 64-byte weight load per instruction,
+// which streams the weight at memory speed.
+//
+// The weight is the plain int8 [N, K] matrix (the same tensor the batch path hands to
+// torch._int_mm): 4 consecutive rows per task are one contiguous stretch of memory.
+// Activations are quantized per row and per group of 64 inputs (llama.cpp's Q8_0 idea):
+// s = max|x| / 127, xq = round(x / s). vpdpbusd takes unsigned x signed bytes, so activations
+// go in shifted, xq + 128, and the shift comes back out with the weight's group sums:
+// sum w (xq + 128) = sum w xq + 128 sum w.
+//
+// out[m, n] = scale[n] * sum_g s[m, g] * (sum_{k in g} w[n, k] (xq[m, k] + 128) - 128 wsum[n, g])
+//
+// int8_mm_rows, for batches: one scale per activation row, oneDNN's int8 GEMM (torch._int_mm,
+// AMX-INT8 where the CPU has it) on the same weight, the scales applied in one pass after.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SWIFT_VNNI 1
+#endif
+
+namespace {
+
+constexpr int GK = 64;    // activations per quantization group (one zmm of bytes)
+constexpr int ROWS = 4;   // weight rows per task
+constexpr int MAX_M = 4;  // activation rows per pass over the task's rows
+
+// Per row and group: the shifted bytes xq + 128 and the scale.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, uint8_t* xu, float* xs) {
+  const int64_t groups = K / GK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* src = x + m * K + g * GK;
+      float amax = 0.f;
+      for (int j = 0; j < GK; ++j) amax = std::max(amax, std::fabs(static_cast<float>(src[j])));
+      const float scale = amax > 0.f ? amax / 127.f : 1.f;
+      const float inv = 1.f / scale;
+      uint8_t* dst = xu + m * K + g * GK;
+      for (int j = 0; j < GK; ++j) {
+        const int v = static_cast<int>(std::nearbyint(static_cast<float>(src[j]) * inv));
+        dst[j] = static_cast<uint8_t>(std::clamp(v, -127, 127) + 128);
+      }
+      xs[m * groups + g] = scale;
+    }
+}
+
+#ifdef SWIFT_VNNI
+template <int MB, typename T>
+inline void task(const uint8_t* xu, const float* xs, const int8_t* w, const int32_t* wsum, const T* scale,
+                 T* out, int64_t N, int64_t K, int64_t n0) {
+  const int64_t groups = K / GK;
+  __m512 y[MB][ROWS];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < ROWS; ++r) y[m][r] = _mm512_setzero_ps();
+  const int8_t* rows = w + n0 * K;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[ROWS], shift[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      wv[r] = _mm512_loadu_si512(rows + r * K + g * GK);
+      // the shift's -128 sum w starts lane 0: each group's dot product is exact in int32
+      // (and in float32: |sum| < 2^24), no large terms cancel in float
+      shift[r] = _mm512_maskz_set1_epi32(1, -128 * wsum[(n0 + r) * groups + g]);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xu + m * K + g * GK);
+      const __m512 s = _mm512_set1_ps(xs[m * groups + g]);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i dot = _mm512_dpbusd_epi32(shift[r], xv, wv[r]);
+        y[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, y[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t n = n0 + r;
+      out[m * N + n] = static_cast<T>(_mm512_reduce_add_ps(y[m][r]) * static_cast<float>(scale[n]));
+    }
+}
+#endif
+
+template <typename T>
+void gemv(const T* x, const int8_t* w, const int32_t* wsum, const T* scale, T* out, int64_t M, int64_t N,
+          int64_t K) {
+#ifdef SWIFT_VNNI
+  const int64_t groups = K / GK;
+  std::vector<uint8_t> xu(M * K);
+  std::vector<float> xs(M * groups);
+  quantize_rows(x, M, K, xu.data(), xs.data());
+  // Grain: 16 tasks (64 rows) per thread at least; every activation row passes the task's
+  // rows while they are in L1, so the weight leaves DRAM once per call.
+  at::parallel_for(0, N / ROWS, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+        const uint8_t* xp = xu.data() + m0 * K;
+        const float* sp = xs.data() + m0 * groups;
+        T* op = out + m0 * N;
+        switch (std::min<int64_t>(MAX_M, M - m0)) {
+          case 1: task<1>(xp, sp, w, wsum, scale, op, N, K, t * ROWS); break;
+          case 2: task<2>(xp, sp, w, wsum, scale, op, N, K, t * ROWS); break;
+          case 3: task<3>(xp, sp, w, wsum, scale, op, N, K, t * ROWS); break;
+          default: task<4>(xp, sp, w, wsum, scale, op, N, K, t * ROWS); break;
+        }
+      }
+  });
+#else
+  TORCH_CHECK(false, "int8_gemv_vnni: built without AVX512-VNNI");
+#endif
+}
+
+}  // namespace
+
+bool int8_vnni_available() {
+#ifdef SWIFT_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor int8_gemv_vnni(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, torch::Tensor scale) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % ROWS == 0 && K % GK == 0, "int8_gemv_vnni: N % 4 == 0 and K % 64 == 0");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() && x.device().is_cpu(), "x must be [M, K]");
+  TORCH_CHECK(wsum.scalar_type() == torch::kInt && wsum.numel() == N * (K / GK) && wsum.is_contiguous(),
+              "wsum must be int32 [N, K / 64]");
+  TORCH_CHECK(scale.scalar_type() == x.scalar_type() && scale.numel() == N && scale.is_contiguous(),
+              "scale must be [N] in x's dtype");
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int32_t* sp = wsum.data_ptr<int32_t>();
+  if (x.scalar_type() == torch::kBFloat16) {
+    using T = c10::BFloat16;
+    gemv<T>(x.data_ptr<T>(), wp, sp, scale.data_ptr<T>(), out.data_ptr<T>(), M, N, K);
+  } else if (x.scalar_type() == torch::kFloat) {
+    gemv<float>(x.data_ptr<float>(), wp, sp, scale.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
+  } else {
+    TORCH_CHECK(false, "int8_gemv_vnni: x must be float32 or bfloat16");
+  }
+  return out;
+}
+
+// Batches: x quantized per row, int32 = xq @ w.T by oneDNN, then out = int32 * s[m] * scale[n].
+torch::Tensor int8_mm_rows(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be int8 [N, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && x.device().is_cpu(), "x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "int8_mm_rows: x must be bfloat16");
+  TORCH_CHECK(scale.scalar_type() == x.scalar_type() && scale.numel() == w.size(0), "scale must be [N] in x's dtype");
+  using T = c10::BFloat16;
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  std::vector<float> xs(M);
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xp[m * K + k])));
+      const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+      for (int64_t k = 0; k < K; ++k) {
+        const int v = static_cast<int>(std::nearbyint(static_cast<float>(xp[m * K + k]) * inv));
+        qp[m * K + k] = static_cast<int8_t>(std::clamp(v, -127, 127));
+      }
+      xs[m] = s;
+    }
+  });
+  auto acc = at::_int_mm(xq, w.t());
+  auto out = torch::empty({M, N}, x.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const T* sp = scale.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < N; ++n)
+        op[m * N + n] = static_cast<T>(static_cast<float>(ap[m * N + n]) * xs[m] * static_cast<float>(sp[n]));
+  });
+  return out;
+}
