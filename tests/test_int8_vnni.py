@@ -95,7 +95,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def test_int8_layer_stack_is_bit_identical_to_the_layer_loop(model_dir: Path) -> None:
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_layer_stack_is_bit_identical_to_the_layer_loop(model_dir: Path, quantization: str) -> None:
     rng = random.Random(0)
     # 12 requests: decode steps above INT8_VNNI_MAX_ROWS rows take int8_mm_rows inside the stack too
     prompts = [
@@ -104,7 +105,14 @@ def test_int8_layer_stack_is_bit_identical_to_the_layer_loop(model_dir: Path) ->
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     outs = {}
     for stack in (True, False):
-        llm = LLM(str(model_dir), dtype="bfloat16", quantization="int8", layer_stack=stack, progress=False)
+        llm = LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            quantization=quantization,
+            quant_group_size=64,
+            layer_stack=stack,
+            progress=False,
+        )
         model = llm.engine.executor.worker.model
         assert bool(model.stack) is stack
         outs[stack] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]

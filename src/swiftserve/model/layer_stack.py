@@ -1,7 +1,8 @@
 """One C++ call for the whole decoder stack (``kernels/layer_stack.cpp``), when it applies.
 
-It applies to bfloat16 models whose linears are all ``PanelLinear`` (our GEMM) or INT8 layers
-on the W8A8 VNNI kernel (``Int8Linear.vnni``), and to steps
+It applies to bfloat16 models whose linears are all ``PanelLinear`` (our GEMM), INT8 layers
+on the W8A8 VNNI kernels (``Int8Linear.vnni``) or INT4 layers on PyTorch's fused kernel, and
+to steps
 whose every row goes through the fused attention kernel (decode rows, and prompt rows when
 the runner sends them there). It computes exactly what the Python layer loop computes with
 the kernels on (same functions, same order: bit-identical), without ~20 interpreter-level
@@ -14,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swiftserve.model import quant_linear
 from swiftserve.model.attention import AttentionMetadata
 from swiftserve.model.packed_linear import PanelLinear
-from swiftserve.model.quant_linear import Int8Linear
+from swiftserve.model.quant_linear import Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from swiftserve.model.llama import LlamaForCausalLM
@@ -31,6 +33,8 @@ def _linear(module: Any) -> list[torch.Tensor] | None:
         return [module.packed, _NONE, _NONE]
     if isinstance(module, Int8Linear) and module.vnni:
         return [module.qweight, module.scale, module.wsum]
+    if isinstance(module, Int4Linear) and module.fused:
+        return [module.qweight, module.scales_and_zeros, _NONE]
     return None
 
 
@@ -58,10 +62,13 @@ def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
     return weights
 
 
-def int8_stack(weights: list[torch.Tensor]) -> bool:
-    """Whether the stack's linears are INT8 (W8A8 at any batch size, the same kernels and the
-    same switch at INT8_VNNI_MAX_ROWS as Int8Linear.forward: bit-identical at every size)."""
-    return any(w.dtype == torch.int8 for w in weights)
+def max_rows(weights: list[torch.Tensor]) -> int | None:
+    """The row count from which a quantized stack must leave steps to the layer loop (where
+    the layers switch kernels), or None when it may take any step. INT8 (W8A8) switches inside
+    the stack exactly where Int8Linear does; INT4 layers dequantize above INT4_FUSED_MAX_ROWS."""
+    if any(w.dtype == torch.uint8 for w in weights):
+        return quant_linear.INT4_FUSED_MAX_ROWS + 1
+    return None
 
 
 def applies(meta: AttentionMetadata, num_tokens: int) -> bool:

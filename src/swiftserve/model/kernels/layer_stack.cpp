@@ -1,6 +1,7 @@
 // The whole decoder stack of a bfloat16 Llama-family model in one call, for steps whose every
-// row goes through the fused attention kernel. Each linear is our bf16 panel GEMM or, in an
-// INT8 model on an AVX512-VNNI CPU, the W8A8 GEMV (kernels/gemv_vnni.cpp).
+// row goes through the fused attention kernel. Each linear is our bf16 panel GEMM or, in a
+// quantized model, the kernel its layer would call: INT8 W8A8 on an AVX512-VNNI CPU
+// (kernels/gemv_vnni.cpp), INT4 PyTorch's _weight_int4pack_mm_for_cpu.
 //
 // Why: a decode step of SmolLM-135M makes ~600 Python-level calls (30 layers x norms, four
 // linears, rotary, K/V write, attention, SiLU-and-mul, module __call__s). Single-stream that
@@ -22,11 +23,17 @@ c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
   return t.defined() && t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-// w[0..2]: a bf16 panel-packed weight and two empty tensors, or an INT8 weight, its per-row
-// scale and group sums (the bias added after, as Int8Linear.forward does).
+// w[0..2]: a bf16 panel-packed weight and two empty tensors; an INT8 weight, its per-row scale
+// and group sums; or an INT4 weight packed by PyTorch (uint8) and its [groups, N, 2] scales and
+// zeros. The bias is added after, as Int8Linear / Int4Linear.forward do.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, c10::optional<torch::Tensor> bias) {
   if (w[1].numel() == 0) return bf16_linear(x, w[0], n, bias);
-  auto out = x.size(0) <= INT8_VNNI_MAX_ROWS ? int8_gemv_vnni(x, w[0], w[2], w[1]) : int8_mm_rows(x, w[0], w[1]);
+  torch::Tensor out;
+  if (w[0].scalar_type() == torch::kChar) {
+    out = x.size(0) <= INT8_VNNI_MAX_ROWS ? int8_gemv_vnni(x, w[0], w[2], w[1]) : int8_mm_rows(x, w[0], w[1]);
+  } else {
+    out = at::_weight_int4pack_mm_for_cpu(x, w[0], x.size(1) / w[1].size(0), w[1]);
+  }
   return bias ? out + *bias : out;
 }
 }  // namespace
