@@ -130,6 +130,15 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
+def _why_no_vnni(model: nn.Module, kernels: Any) -> str:
+    if kernels is None:
+        return "no compiled CPU kernels"
+    if not kernels.int8_vnni_available():
+        return "this CPU has no AVX512-VNNI"
+    dtype = next(model.parameters()).dtype
+    return f"{dtype} model (W8A8 is for bfloat16)" if dtype != torch.bfloat16 else "shapes"
+
+
 def _vnni_ok(kernels: Any, shape: torch.Size) -> bool:
     n, k = shape
     has = getattr(kernels, "int8_vnni_available", None)
@@ -258,6 +267,11 @@ def quantize_model(
             layer = Int4Linear(linear, group)
         setattr(parent, child, layer)
         count += 1
+    if method == "int8" and count and not any(getattr(m, "vnni", False) for m in model.modules()):
+        # (the float kernels are exact and never wrong, only slower: one line, not an error)
+        logger.info(
+            "int8: W8A8 kernels not used (%s); weight-only float kernels", _why_no_vnni(model, kernels)
+        )
     for features, group in regrouped.items():
         logger.warning(
             "layers with %d input features use int4 groups of %d (not %d)", features, group, group_size
