@@ -1,6 +1,7 @@
 """Greedy output token-for-token equal to Hugging Face transformers (float32), under every
 scheduling regime: prefix caching on/off, tiny chunked-prefill budget, forced preemption,
-block sizes 1/16/32, the priority policy, async scheduling; and logprobs within 1e-4."""
+block sizes 1/16/32, the priority policy, async scheduling, an INT8 KV cache; and logprobs
+within 1e-4 (2e-2 with the INT8 KV cache)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,11 @@ ENGINE_VARIANTS = {
         "busy_poll": True,
         "scheduling_policy": "priority",
     },
+    # INT8 KV cache: the same tokens; logprobs within the cache's rounding (LOGPROB_TOL)
+    "kv-int8": {"kv_cache_dtype": "int8"},
+    "kv-int8-preempt": {"kv_cache_dtype": "int8", "num_kv_blocks": 24, "block_size": 4},
 }
+LOGPROB_TOL = {"kv-int8": 2e-2, "kv-int8-preempt": 2e-2}
 
 
 def generate(llm: LLM) -> list:
@@ -78,11 +83,11 @@ def generate(llm: LLM) -> list:
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, priority=priority, use_tqdm=False)
 
 
-def check(outs: list, ref_tokens: tuple, ref_logprobs: tuple) -> None:
+def check(outs: list, ref_tokens: tuple, ref_logprobs: tuple, tol: float = 1e-4) -> None:
     for i, out in enumerate(outs):
         assert tuple(out.outputs[0].token_ids) == ref_tokens[i], f"prompt {i}"
         got = [out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(out.outputs[0].token_ids)]
-        assert got == pytest.approx(ref_logprobs[i], abs=1e-4)
+        assert got == pytest.approx(ref_logprobs[i], abs=tol)
         assert out.outputs[0].finish_reason == "length"
 
 
@@ -92,7 +97,8 @@ def test_greedy_matches_transformers(model_dirs: dict[str, Path], model_name: st
     path = model_dirs[model_name]
     ref_tokens, ref_logprobs = hf_reference(str(path))
     llm = LLM(str(path), progress=False, max_model_len=256, **ENGINE_VARIANTS[variant])  # type: ignore[arg-type]
-    check(generate(llm), ref_tokens, ref_logprobs)
+    tol = LOGPROB_TOL.get(variant, 1e-4)
+    check(generate(llm), ref_tokens, ref_logprobs, tol)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     if variant.endswith("preempt"):
@@ -100,6 +106,6 @@ def test_greedy_matches_transformers(model_dirs: dict[str, Path], model_name: st
     if llm.config.async_scheduling:  # results really came back from the step thread
         assert llm.engine.wakeups_us
     # Second pass: prompts now hit the prefix cache (when on) and must give the same tokens.
-    check(generate(llm), ref_tokens, ref_logprobs)
+    check(generate(llm), ref_tokens, ref_logprobs, tol)
     assert (bm.prefix_hits > 0) == llm.config.enable_prefix_caching
     assert bm.num_free_blocks == bm.num_blocks

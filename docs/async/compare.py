@@ -76,9 +76,9 @@ def main() -> None:
             print(mode, r, rows[mode][-1], flush=True)
     report = {}
     for mode, runs in rows.items():
-        report[mode] = {
-            key: round(statistics.median(run[key] for run in runs), 3) for key in runs[0]
-        } | {"tpot_ms_rounds": [round(run["tpot_ms"], 3) for run in runs]}
+        report[mode] = {key: round(statistics.median(run[key] for run in runs), 3) for key in runs[0]} | {
+            "tpot_ms_rounds": [round(run["tpot_ms"], 3) for run in runs]
+        }
     print(json.dumps(report, indent=2))
 
 

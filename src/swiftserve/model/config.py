@@ -111,9 +111,10 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V cache per token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, row_bytes: int) -> int:
+        """Bytes of K and V cache per token over all layers, for rows (one token of one KV head)
+        of ``row_bytes`` (model/kv_quant.py bytes_per_row)."""
+        return 2 * self.num_layers * self.num_kv_heads * row_bytes
 
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra")

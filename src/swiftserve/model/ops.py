@@ -20,6 +20,7 @@ from torch import nn
 
 from swiftserve.config import KERNEL_BACKENDS
 from swiftserve.model import attention
+from swiftserve.model.kv_quant import quantize_rows
 from swiftserve.model.rotary import apply_rotary
 
 if TYPE_CHECKING:
@@ -90,10 +91,12 @@ class TorchOps:
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        """Store new K/V [T, KVH, D] at their cache slots."""
-        heads, dim = k_cache.shape[0], k_cache.shape[-1]
-        k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+        """Store new K/V [T, KVH, D] at their cache slots (quantized into an int8 cache)."""
+        heads, width = k_cache.shape[0], k_cache.shape[-1]
+        if k_cache.dtype == torch.int8:
+            k, v = quantize_rows(k), quantize_rows(v)
+        k_cache.view(heads, -1, width).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(heads, -1, width).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
     def paged_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -178,7 +181,9 @@ class CpuOps(TorchOps):
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        if k.dtype != k_cache.dtype:
+        if k_cache.dtype == torch.int8:
+            self.cpp.write_kv_int8_(k, v, k_cache, v_cache, slots)
+        elif k.dtype != k_cache.dtype:
             super().write_kv_(k, v, k_cache, v_cache, slots)
         else:
             self.cpp.write_kv_(k, v, k_cache, v_cache, slots)
@@ -188,7 +193,8 @@ class CpuOps(TorchOps):
     ) -> torch.Tensor:
         assert meta.decode_tables is not None and meta.decode_positions is not None
         scale = q.shape[-1] ** -0.5
-        return self.cpp.paged_decode(  # type: ignore[no-any-return]
+        kernel = self.cpp.paged_decode_int8 if k_cache.dtype == torch.int8 else self.cpp.paged_decode
+        return kernel(  # type: ignore[no-any-return]
             q.contiguous(),
             k_cache,
             v_cache,

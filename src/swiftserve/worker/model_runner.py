@@ -15,6 +15,7 @@ import torch
 
 from swiftserve.core.messages import PLACEHOLDER, RunnerOutput, ScheduledRequest, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata, PrefillSegment
+from swiftserve.model.kv_quant import row_width
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.model.ops import TorchOps
 from swiftserve.worker.cuda_graphs import DecodeGraphs
@@ -49,6 +50,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         seed: int = 0,
         guided: GuidedDecoding | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         cfg = model.config
         self.model = model
@@ -58,9 +60,15 @@ class ModelRunner:
         # the embedding, not lm_head: packing may replace lm_head (tied or not) with a weightless module
         self.device = device = model.model.embed_tokens.weight.device
         self.cuda = device.type == "cuda"
-        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # see model/attention.py
+        kv_dtype = kv_dtype or dtype  # int8: rows of head_dim values + their scale (model/kv_quant.py)
+        shape = (
+            cfg.num_kv_heads,
+            num_blocks,
+            block_size,
+            row_width(cfg.head_dim, kv_dtype),
+        )  # see attention.py
         # all zeros (padded gathers read unused slots), without a zero-fill pass on the CPU
-        self.kv_caches = allocate_kv_caches(cfg.num_layers, shape, dtype, device)
+        self.kv_caches = allocate_kv_caches(cfg.num_layers, shape, kv_dtype, device)
         # Persistent inputs: numpy views of (pinned, on CUDA) host staging buffers that each step
         # refills, copied to persistent device buffers (the same tensors on the CPU). A step
         # ends with the sampled tokens on the host, so the next refill never races a copy.

@@ -18,6 +18,7 @@ from swiftserve.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, graph_sizes
 from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata
 from swiftserve.model.config import ModelConfig
+from swiftserve.model.kv_quant import bytes_per_row
 from swiftserve.model.loader import load_model
 from swiftserve.model.ops import KernelOptions, select_ops
 from swiftserve.model.quant_linear import quantize_model, weight_bytes
@@ -40,13 +41,21 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return config.max_model_len
 
 
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's, or int8 (model/kv_quant.py)."""
+    return torch.int8 if config.kv_cache_dtype == "int8" else model_dtype
+
+
 def num_kv_blocks(
     config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
 ) -> int:
     """Pool size from num_kv_blocks, else kv_cache_memory bytes (capped at what can be used)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    block_bytes = config.block_size * model_config.kv_bytes_per_token(dtype.itemsize)
+    kv_dtype = kv_cache_dtype(config, dtype)
+    block_bytes = config.block_size * model_config.kv_bytes_per_token(
+        bytes_per_row(model_config.head_dim, kv_dtype)
+    )
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     memory = config.kv_cache_memory
     blocks = (memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
@@ -117,6 +126,13 @@ class Worker:
         self.device = resolve_device(config.device)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
+        if config.kv_cache_dtype == "int8" and (
+            self.device.type != "cpu" or config.kernel_backend == "triton"
+        ):
+            raise ValueError(
+                "EngineConfig.kv_cache_dtype='int8' runs on the CPU kernels only for now "
+                "(no GPU/Triton INT8 attention yet): use device='cpu' or kv_cache_dtype='auto'"
+            )
         if config.quantization and self.device.type != "cpu":
             raise ValueError(
                 f"EngineConfig.quantization={config.quantization!r} runs on the CPU only for now "
@@ -170,7 +186,8 @@ class Worker:
         with startup.current().phase("profile memory"):
             peak = profile_peak_memory(self.model, self.ops, config.max_num_batched_tokens, config.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        block_bytes = config.block_size * self.model_config.kv_bytes_per_token(self.model.dtype.itemsize)
+        row = bytes_per_row(self.model_config.head_dim, self.model.dtype)  # (int8 KV is CPU-only)
+        block_bytes = config.block_size * self.model_config.kv_bytes_per_token(row)
         budget = int(total * config.gpu_memory_utilization) - peak
         useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         blocks = min(budget // block_bytes, useful)
@@ -196,6 +213,7 @@ class Worker:
                 guided=GuidedDecoding(
                     self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
                 ),
+                kv_dtype=kv_cache_dtype(self.config, self.model.dtype),
             )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
         # graphs need every attention row on the paged kernel (fixed shapes, no per-step mask)

@@ -29,6 +29,7 @@ _SOURCES = (
     "layer_ops.cpp",
     "gemv.cpp",
     "gemv_vnni.cpp",
+    "kv_int8.cpp",
     "bf16_gemm.cpp",
     "layer_stack.cpp",
     "bindings.cpp",

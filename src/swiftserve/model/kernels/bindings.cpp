@@ -19,4 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv_vnni", &int8_gemv_vnni, "W8A8 decode GEMV: int8 w [N, K], x quantized per 64 inputs");
   m.def("int8_mm_rows", &int8_mm_rows, "W8A8 for batches: x quantized per row, oneDNN int8 GEMM");
   m.attr("INT8_VNNI_MAX_ROWS") = INT8_VNNI_MAX_ROWS;
+  m.def("write_kv_int8_", &write_kv_int8_, "quantize new K/V rows into an int8 cache (row: D int8 + f32 scale)");
+  m.def("paged_decode_int8", &paged_decode_int8, "paged decode attention over an int8 KV cache");
 }

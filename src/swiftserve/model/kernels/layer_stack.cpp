@@ -53,6 +53,7 @@ torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, 
   TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden, "h must be [T, hidden]");
   const int64_t T = h.size(0), q_size = H * D, kv_size = KVH * D;
   torch::Tensor residual;
+  const bool int8_kv = L > 0 && k_caches[0].scalar_type() == torch::kChar;  // kv_cache_dtype="int8"
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* w = &layers[l * PER_LAYER];
     if (l == 0) {
@@ -66,8 +67,14 @@ torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, 
     auto q = qkv.narrow(1, 0, q_size).view({T, H, D});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, KVH, D});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, KVH, D});
-    write_kv_(k, v, k_caches[l], v_caches[l], slots);
-    auto attn = paged_decode(q.contiguous(), k_caches[l], v_caches[l], tables, positions, scale, window);
+    torch::Tensor attn;
+    if (int8_kv) {
+      write_kv_int8_(k, v, k_caches[l], v_caches[l], slots);
+      attn = paged_decode_int8(q.contiguous(), k_caches[l], v_caches[l], tables, positions, scale, window);
+    } else {
+      write_kv_(k, v, k_caches[l], v_caches[l], slots);
+      attn = paged_decode(q.contiguous(), k_caches[l], v_caches[l], tables, positions, scale, window);
+    }
     h = linear(attn.view({T, q_size}), w + 5, hidden, c10::nullopt);
     h = add_rms_norm(h, residual, w[8], eps);
     auto act = silu_and_mul(linear(h, w + 9, 2 * inter, c10::nullopt));
