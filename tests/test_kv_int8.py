@@ -66,7 +66,9 @@ def test_kernels_equal_the_reference(dtype: torch.dtype, window: int | None) -> 
     (kr, vr, out_r), (kc, vc, out_c) = caches["ref"], caches["cpu"]
     # the same bytes, up to a value on a rounding boundary (the kernel is built with -ffast-math)
     assert (kc.int() - kr.int()).abs().max() <= 1 and (vc.int() - vr.int()).abs().max() <= 1
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # On VNNI CPUs the kernel also rounds each query head to int8 for its integer dot products
+    # (kernels/kv_int8.cpp): about the keys' own rounding error again, on outputs of size ~1.
+    tol = 3e-2 if OPS.int8_vnni_available() else (1e-5 if dtype == torch.float32 else 2e-2)
     torch.testing.assert_close(out_c.float(), out_r.float(), atol=tol, rtol=tol)
 
 

@@ -15,6 +15,11 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SWIFT_KV_VNNI 1
+#endif
+
 namespace {
 
 constexpr int64_t SCALE_BYTES = 4;
@@ -57,6 +62,90 @@ void write_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k
   });
 }
 
+#ifdef SWIFT_KV_VNNI
+// head_dim 64, G <= 4 query heads per KV head. Scores: each query head is quantized to int8 as
+// well (per head, max / 127) and shifted to unsigned, so one vpdpbusd takes a whole 64-byte key
+// row: dot(q + 128, k) - dot(128, k) = dot(q, k), exact in int32; 16 rows' partial sums are
+// reduced together (reduce16). Values: each row widened to float32 once for the G heads.
+template <int G>
+void scores_vnni(const float* qf, const int8_t* const* krows, int64_t len, float scale, float* scores) {
+  constexpr int64_t D = 64;
+  __m512i qv[G];
+  float qs[G];
+  for (int g = 0; g < G; ++g) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(qf[g * D + d]));
+    qs[g] = amax > 0.f ? amax / 127.f : 1.f;
+    alignas(64) uint8_t bytes[D];
+    const float inv = 1.f / qs[g];
+    for (int64_t d = 0; d < D; ++d)
+      bytes[d] = static_cast<uint8_t>(std::clamp(static_cast<int>(std::nearbyint(qf[g * D + d] * inv)), -127, 127) + 128);
+    qv[g] = _mm512_load_si512(bytes);
+  }
+  const __m512i shift = _mm512_set1_epi8(static_cast<char>(128));
+  int64_t i = 0;
+  alignas(64) float ks[16];
+  for (; i + 16 <= len; i += 16) {
+    __m512 acc[G][16];
+    for (int j = 0; j < 16; ++j) {
+      const int8_t* row = krows[i + j];
+      _mm_prefetch(reinterpret_cast<const char*>(krows[std::min(i + j + 16, len - 1)]), _MM_HINT_T0);
+      const __m512i k = _mm512_loadu_si512(row);
+      const __m512i corr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), shift, k);
+      for (int g = 0; g < G; ++g)
+        acc[g][j] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qv[g], k), corr));
+      ks[j] = row_scale(row, D);
+    }
+    const __m512 kscale = _mm512_load_ps(ks);
+    for (int g = 0; g < G; ++g)
+      _mm512_storeu_ps(scores + g * len + i, _mm512_mul_ps(_mm512_mul_ps(reduce16(acc[g]), kscale),
+                                                           _mm512_set1_ps(qs[g] * scale)));
+  }
+  for (; i < len; ++i) {
+    const __m512i k = _mm512_loadu_si512(krows[i]);
+    const __m512i corr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), shift, k);
+    for (int g = 0; g < G; ++g) {
+      const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qv[g], k), corr);
+      scores[g * len + i] = static_cast<float>(_mm512_reduce_add_epi32(dot)) * row_scale(krows[i], D) * qs[g] * scale;
+    }
+  }
+}
+
+template <int G>
+void values_vnni(const float* probs, const int8_t* const* vrows, int64_t len, float* acc_out) {
+  constexpr int64_t D = 64;
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; ++i) {
+    const int8_t* row = vrows[i];
+    _mm_prefetch(reinterpret_cast<const char*>(vrows[std::min(i + 8, len - 1)]), _MM_HINT_T0);
+    const float s = row_scale(row, D);
+    __m512 v[4];
+    for (int c = 0; c < 4; ++c)
+      v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * len + i] * s);
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + g * D + 16 * c, a[g][c]);
+}
+
+// false when the shape has no fast path
+bool fast_pass(int64_t G, bool values, const float* qf, const int8_t* const* rows, int64_t len, float scale,
+               float* scores, float* acc) {
+  switch (G) {
+    case 1: values ? values_vnni<1>(scores, rows, len, acc) : scores_vnni<1>(qf, rows, len, scale, scores); return true;
+    case 2: values ? values_vnni<2>(scores, rows, len, acc) : scores_vnni<2>(qf, rows, len, scale, scores); return true;
+    case 3: values ? values_vnni<3>(scores, rows, len, acc) : scores_vnni<3>(qf, rows, len, scale, scores); return true;
+    case 4: values ? values_vnni<4>(scores, rows, len, acc) : scores_vnni<4>(qf, rows, len, scale, scores); return true;
+    default: return false;
+  }
+}
+#endif
+
 // One (row, KV head): scores over the int8 keys, softmax, then the int8 values, in float32.
 template <typename T>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
@@ -81,15 +170,28 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const torch::T
       scores.resize(G * len);
       krows.resize(len);
       vrows.resize(len);
+      bool fast = false;
+#ifdef SWIFT_KV_VNNI
+      fast = D == 64 && G <= 4;
+#endif
+      // the fast path folds the softmax scale in after the integer dot products
+      const float qscale = fast ? 1.f : static_cast<float>(scale);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(qp[(b * H + h * G + g) * D + d]) * static_cast<float>(scale);
-      for (int64_t t = first; t <= pos; ++t) {
-        const int64_t block = tp[b * MAXNB + t / BS];
-        krows[t - first] = kp + ((h * NB + block) * BS + t % BS) * R;
-        vrows[t - first] = vp + ((h * NB + block) * BS + t % BS) * R;
+          qf[g * D + d] = static_cast<float>(qp[(b * H + h * G + g) * D + d]) * qscale;
+      for (int64_t t = first; t <= pos;) {  // block by block: no division per token
+        const int64_t bi = t / BS, off = t - bi * BS, n = std::min(BS - off, pos + 1 - t);
+        const int64_t base = (h * NB + tp[b * MAXNB + bi]) * BS;
+        for (int64_t o = 0; o < n; ++o) {
+          krows[t - first + o] = kp + (base + off + o) * R;
+          vrows[t - first + o] = vp + (base + off + o) * R;
+        }
+        t += n;
       }
-      for (int64_t i = 0; i < len; ++i) {
+#ifdef SWIFT_KV_VNNI
+      if (fast) fast_pass(G, false, qf.data(), krows.data(), len, static_cast<float>(scale), scores.data(), nullptr);
+#endif
+      for (int64_t i = 0; i < len && !fast; ++i) {
         const int8_t* row = krows[i];
         for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(row[d]);  // widened once for G heads
         const float s = row_scale(row, D);
@@ -111,7 +213,10 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const torch::T
         }
         for (int64_t i = 0; i < len; ++i) sg[i] /= sum;
       }
-      for (int64_t i = 0; i < len; ++i) {
+#ifdef SWIFT_KV_VNNI
+      if (fast) fast_pass(G, true, nullptr, vrows.data(), len, 0.f, scores.data(), acc.data());
+#endif
+      for (int64_t i = 0; i < len && !fast; ++i) {
         const int8_t* row = vrows[i];
         for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(row[d]);
         const float s = row_scale(row, D);
