@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from server_utils import Server, running_server
-from swiftserve import LLM, SamplingParams
+from server_utils import Server, greedy_texts_match_offline, running_server
+from swiftserve import SamplingParams
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
 from swiftserve.core.messages import PLACEHOLDER, RunnerOutput, SchedulerOutput
@@ -200,19 +200,8 @@ def server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_server_with_async_scheduling_matches_the_offline_engine(llama_dir: Path, server: Server) -> None:
-    reference = LLM(model=str(llama_dir), max_model_len=256).generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
-    )
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    got = client.completions.create(
-        model=None,  # type: ignore[arg-type]
-        prompt=PROMPTS,
-        max_tokens=12,
-        temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )
-    texts = {c.index: c.text for c in got.choices}
-    assert [texts[i] for i in range(len(PROMPTS))] == [r.outputs[0].text for r in reference]
+    reference = greedy_texts_match_offline(llama_dir, client, PROMPTS)
     stream = client.completions.create(
         model=None,  # type: ignore[arg-type]
         prompt=PROMPTS[0],
@@ -221,7 +210,7 @@ def test_server_with_async_scheduling_matches_the_offline_engine(llama_dir: Path
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    assert "".join(chunk.choices[0].text for chunk in stream) == reference[0].outputs[0].text
+    assert "".join(chunk.choices[0].text for chunk in stream) == reference[0]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=None, prompt="x", max_tokens=-1)  # type: ignore[arg-type]
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from server_utils import Server, running_server
-from swiftserve import LLM, SamplingParams
+from server_utils import Server, greedy_texts_match_offline, running_server
+from swiftserve import LLM
 from swiftserve.config import EngineConfig
 from swiftserve.engine.placement import numa_order, parse_cpulist, replica_cores
 
@@ -45,18 +45,7 @@ def _per_engine(server: Server, name: str) -> list[float]:
 def test_same_greedy_tokens_as_one_engine_and_both_replicas_work(
     llama_dir: Path, server: Server, client: openai.OpenAI
 ) -> None:
-    reference = LLM(model=str(llama_dir), max_model_len=256).generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
-    )
-    got = client.completions.create(
-        model=None,  # type: ignore[arg-type]
-        prompt=PROMPTS,
-        max_tokens=12,
-        temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )
-    texts = {c.index: c.text for c in got.choices}
-    assert [texts[i] for i in range(len(PROMPTS))] == [r.outputs[0].text for r in reference]
+    greedy_texts_match_offline(llama_dir, client, PROMPTS)
     routed = _per_engine(server, "routed_requests")
     assert all(n > 0 for n in routed), routed
     assert all(n > 0 for n in _per_engine(server, "num_steps"))
