@@ -10,6 +10,7 @@ transformers as the reference).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 from server_utils import Server, greedy_texts_match_offline, running_server
-from swiftserve import SamplingParams
+from swiftserve import LLM, SamplingParams
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
 from swiftserve.core.messages import PLACEHOLDER, RunnerOutput, SchedulerOutput
@@ -230,3 +231,30 @@ def test_abort_mid_stream_frees_the_kv_blocks(server: Server) -> None:
         time.sleep(0.1)
     assert metrics["swiftserve:num_requests_running"] == 0  # 200 tokens at >= 10 ms would still run
     assert metrics["swiftserve:kv_cache_usage_perc"] == 0
+
+
+def test_sampled_outputs_equal_sync_with_seeds_n_stops_and_a_schema() -> None:
+    """Seeded sampling, n > 1, stop strings and a JSON schema (the grammar advances in the
+    runner as it samples): the overlapped loop gives exactly the one-step-at-a-time outputs."""
+    from swiftserve.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    guided = SamplingParams(
+        temperature=0.8, seed=3, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    several = SamplingParams(temperature=0.9, seed=5, max_tokens=30, n=3, stop=["e"])
+    results = []
+    for overlap in (False, True):
+        llm = LLM(progress=False, async_scheduling=overlap)  # the demo model
+        texts = [o.outputs[0].text for o in llm.generate(["{", "x", "hello", "y"], guided, use_tqdm=False)]
+        texts += [
+            c.text for o in llm.generate(["hello world", "abc"], several, use_tqdm=False) for c in o.outputs
+        ]
+        results.append(texts)
+    assert results[0] == results[1]
+    assert all("a" in json.loads(t) for t in results[1][:4])
