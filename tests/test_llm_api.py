@@ -162,3 +162,17 @@ def test_timeouts_end_requests_with_deadline_exceeded(llm: LLM) -> None:
     for bad in (0, -1, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="timeout"):
             llm.generate("x", params, timeout=bad, use_tqdm=False)
+
+
+def test_plain_greedy_rows_take_the_argmax_path_with_the_samplers_tokens(llm: LLM) -> None:
+    """Rows that ask for nothing but greedy tokens skip the sampler (the runner takes the argmax
+    where the logits are: on a GPU only the ids cross to the host); the tokens are the ones the
+    full sampler picks when a row also asks for logprobs, in a batch that mixes both."""
+    prompts = [{"prompt_token_ids": [5 + i, 40, 7 * i + 1, 99]} for i in range(6)]
+    plain = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    assert plain.plain_greedy and not plain.replace(logprobs=0).plain_greedy
+    fast = llm.generate(prompts, plain, use_tqdm=False)
+    mixed = llm.generate(
+        prompts, [plain.replace(logprobs=0) if i % 2 else plain for i in range(6)], use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in mixed]

@@ -187,6 +187,19 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits, nothing else asked: no logprobs, token rules, min_tokens or
+        penalties (the runner then takes the argmax where the logits are, e.g. on the GPU)."""
+        return (
+            self.greedy
+            and self.logprobs is None
+            and not self.has_token_rules
+            and not self.min_tokens
+            and not self.uses_penalties
+            and self.structured_outputs is None
+        )
+
+    @property
     def uses_penalties(self) -> bool:
         """True when any repetition/presence/frequency penalty is active."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -266,9 +266,11 @@ class ModelRunner:
         if not rows:
             return result
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        num_sample = len(batch.sample_rows)
+        if num_sample == len(rows) and self._argmax_only(batch.sample_rows, logits, result):
+            return result
         if self.cuda:
             logits = logits.cpu()  # the sampler's per-request generators live on the host
-        num_sample = len(batch.sample_rows)
         num_spec = sum(len(r) for _, r, _ in batch.spec_rows)
         if num_sample:
             self._sample(logits[:num_sample], batch.sample_rows, result)
@@ -316,9 +318,24 @@ class ModelRunner:
         bs = self.block_size
         slots = tables[np.arange(batch), positions // bs] * bs + positions % bs
         ids = np.fromiter((self._tokens(s)[0] for s in scheduled), dtype=np.int64, count=batch)
-        logits = self.graphs.run(ids, positions, slots, tables).cpu()
-        self._sample(logits, [(i, s.request_id) for i, s in enumerate(scheduled)], result)
+        logits = self.graphs.run(ids, positions, slots, tables)
+        sample_rows = [(i, s.request_id) for i, s in enumerate(scheduled)]
+        if not self._argmax_only(sample_rows, logits, result):
+            self._sample(logits.cpu(), sample_rows, result)
         return result
+
+    def _argmax_only(
+        self, sample_rows: list[tuple[int, str]], logits: torch.Tensor, result: RunnerOutput
+    ) -> bool:
+        """When every row is plain greedy: the argmax where the logits are, only the token ids
+        to the host (on a GPU, [B] ids instead of [B, vocab] logits). False: sample as usual."""
+        states = [self.states[rid] for _, rid in sample_rows]
+        if not all(s.params.plain_greedy for s in states):
+            return False
+        for (_, rid), token, state in zip(sample_rows, logits.argmax(dim=-1).tolist(), states, strict=True):
+            state.output_token_ids.append(token)
+            result.sampled_token_ids[rid] = token
+        return True
 
     def _sample(self, logits: torch.Tensor, sample_rows: list[tuple[int, str]], result: RunnerOutput) -> None:
         states = [self.states[rid] for _, rid in sample_rows]
