@@ -217,25 +217,14 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* pp = positions.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, window > 0 ? std::min(pp[b] + 1, window) : pp[b] + 1);
-  const int64_t S = key_splits(B * KVH, max_len);  // split.h: few long rows use every thread
-  std::vector<float> part_m(S > 1 ? B * KVH * S * G : 0), part_l(part_m.size()), part_acc(part_m.size() * D);
-  at::parallel_for(0, B * KVH * S, 1, [&](int64_t begin, int64_t end) {
+  KeySplit split(B, KVH, G, D, pp, window);  // split.h: a few long rows use every thread
+  at::parallel_for(0, split.work_items(B), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(D), vf(D), inv(G), sums(G), maxes(G), scores;
     std::vector<const T*> krows, vrows;
     std::vector<uint16_t> pb;  // bf16 probabilities (AVX512-BF16 path)
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t item = work / S, chunk = work % S;
-      const int64_t b = item / KVH, h = item % KVH;
-      const int64_t row_pos = pp[b];
-      const int64_t row_first = window > 0 ? std::max<int64_t>(0, row_pos - window + 1) : 0;
-      int64_t first = row_first, pos = row_pos;  // this chunk's keys (all of them when S == 1)
-      if (S > 1) key_chunk(row_first, row_pos, chunk, S, &first, &pos);
-      if (first > pos) {  // no key in this chunk: it adds nothing to the merge
-        for (int64_t g = 0; g < G; ++g) part_l[work * G + g] = 0.f;
-        continue;
-      }
+      int64_t b, h, first, pos;  // this item's keys: all of the row's, or a chunk of them
+      if (!split.keys(work, &b, &h, &first, &pos)) continue;
       const int64_t len = pos + 1 - first;
       scores.assign(G * len, 0.f);
       krows.resize(len);
@@ -323,28 +312,13 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& kc, const t
           }
         }
       }
-      if (S > 1) {  // unnormalized, with this chunk's max and sum: merged below
-        for (int64_t g = 0; g < G; ++g) {
-          part_m[work * G + g] = maxes[g];
-          part_l[work * G + g] = sums[g];
-        }
-        std::copy(acc.begin(), acc.end(), part_acc.begin() + work * G * D);
-        continue;
-      }
+      if (split.keep(work, maxes.data(), sums.data(), acc.data())) continue;  // merged below
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           op[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
     }
   });
-  if (S > 1) {
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / KVH, h = item % KVH;
-        merge_chunks(&part_m[item * S * G], &part_l[item * S * G], &part_acc[item * S * G * D], S, G, D,
-                     op + (b * H + h * G) * D);
-      }
-    });
-  }
+  split.merge(B, op);
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
