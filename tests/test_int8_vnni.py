@@ -117,3 +117,23 @@ def test_quantized_layer_stack_is_bit_identical_to_the_layer_loop(model_dir: Pat
         assert bool(model.stack) is stack
         outs[stack] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_onednn_copy_for_large_steps_equals_a_per_tensor_reference() -> None:
+    """On AMX CPUs large steps (prompt chunks) go through a oneDNN-prepacked copy with one
+    activation scale for the step; smaller ones never touch it."""
+    if not quant_linear._onednn_int8():
+        pytest.skip("this torch build has no oneDNN int8 linear")
+    torch.manual_seed(1)
+    layer = Int8Linear(nn.Linear(576, 192, bias=False).to(torch.bfloat16), OPS)
+    layer.dual = True
+    x = torch.randn(quant_linear.INT8_VNNI_MAX_ROWS + 1, 576).to(torch.bfloat16)
+    layer(x)
+    assert layer.onednn is None  # below INT8_ONEDNN_MIN_ROWS: int8_mm_rows
+    x = torch.randn(quant_linear.INT8_ONEDNN_MIN_ROWS + 3, 576).to(torch.bfloat16)
+    got = layer(x)
+    assert layer.onednn is not None and got.dtype == torch.bfloat16
+    xs = x.float().abs().max() / 127  # one scale for the whole step
+    xq = torch.round(x.float() * (1 / xs)).clamp(-127, 127).double() * xs.double()
+    ref = xq @ (layer.qweight.double() * layer.scale.double()[:, None]).T
+    assert ((got.double() - ref).abs() / ref.abs().max()).max() < 8e-3

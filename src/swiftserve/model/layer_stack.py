@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from swiftserve.model import quant_linear
 from swiftserve.model.attention import AttentionMetadata
@@ -62,12 +63,16 @@ def stack_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
     return weights
 
 
-def max_rows(weights: list[torch.Tensor]) -> int | None:
+def max_rows(model: nn.Module, weights: list[torch.Tensor]) -> int | None:
     """The row count from which a quantized stack must leave steps to the layer loop (where
     the layers switch kernels), or None when it may take any step. INT8 (W8A8) switches inside
-    the stack exactly where Int8Linear does; INT4 layers dequantize above INT4_FUSED_MAX_ROWS."""
+    the stack exactly where Int8Linear does, except for steps of INT8_ONEDNN_MIN_ROWS+ when the
+    layers have oneDNN copies (``Int8Linear.dual``); INT4 layers dequantize above
+    INT4_FUSED_MAX_ROWS."""
     if any(w.dtype == torch.uint8 for w in weights):
         return quant_linear.INT4_FUSED_MAX_ROWS + 1
+    if any(isinstance(m, Int8Linear) and m.dual for m in model.modules()):  # large steps: oneDNN copies
+        return quant_linear.INT8_ONEDNN_MIN_ROWS
     return None
 
 

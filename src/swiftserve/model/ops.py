@@ -228,7 +228,7 @@ class CpuOps(TorchOps):
         weights = layer_stack.stack_weights(model) if self.options.layer_stack else None  # type: ignore[arg-type]
         if weights is not None and any(w.dtype in (torch.int8, torch.uint8) for w in weights):
             # a quantized stack: no oneDNN bf16 copies to leave batches to
-            self.stack_max_rows = layer_stack.max_rows(weights) or 1 << 30
+            self.stack_max_rows = layer_stack.max_rows(model, weights) or 1 << 30
         return weights
 
     def decoder_stack(self, model: Any, weights: list[torch.Tensor], h: torch.Tensor, rope: Any,

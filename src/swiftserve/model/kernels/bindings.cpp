@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_vnni_available", &int8_vnni_available, "whether int8_gemv_vnni was compiled (AVX512-VNNI)");
   m.def("int8_gemv_vnni", &int8_gemv_vnni, "W8A8 decode GEMV: int8 w [N, K], x quantized per 64 inputs");
   m.def("int8_mm_rows", &int8_mm_rows, "W8A8 for batches: x quantized per row, oneDNN int8 GEMM");
+  m.def("quantize_rows_int8", &quantize_rows_int8, "bf16 rows to int8 (u8 with shift) and their scales");
+  m.def("scale_rows_bf16", &scale_rows_bf16, "acc * row_scale[:, None] * col_scale[None, :] as bf16");
   m.attr("INT8_VNNI_MAX_ROWS") = INT8_VNNI_MAX_ROWS;
   m.def("write_kv_int8_", &write_kv_int8_, "quantize new K/V rows into an int8 cache (row: D int8 + f32 scale)");
   m.def("paged_decode_int8", &paged_decode_int8, "paged decode attention over an int8 KV cache");

@@ -152,39 +152,71 @@ torch::Tensor int8_gemv_vnni(torch::Tensor x, torch::Tensor w, torch::Tensor wsu
   return out;
 }
 
+// Rows of x (bf16) to int8 with one scale each, s = max|x| / 127, or one scale for all of them
+// (`per_tensor`); `shift` adds 128 (unsigned bytes, for oneDNN's u8 x s8 linear).
+std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor x, bool shift, bool per_tensor) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be bf16 [M, K]");
+  using T = c10::BFloat16;
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(shift ? torch::kByte : torch::kChar));
+  auto scales = torch::empty({M, 1}, x.options().dtype(torch::kFloat));
+  const T* xp = x.data_ptr<T>();
+  uint8_t* qp = static_cast<uint8_t*>(q.data_ptr());
+  float* sp = scales.data_ptr<float>();
+  const int offset = shift ? 128 : 0;
+  float all = 0.f;  // the per-tensor maximum
+  if (per_tensor)
+    for (int64_t i = 0; i < M * K; ++i) all = std::max(all, std::fabs(static_cast<float>(xp[i])));
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float amax = all;
+      if (!per_tensor)
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xp[m * K + k])));
+      const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+      for (int64_t k = 0; k < K; ++k) {
+        const int v = static_cast<int>(std::nearbyint(static_cast<float>(xp[m * K + k]) * inv));
+        qp[m * K + k] = static_cast<uint8_t>(std::clamp(v, -127, 127) + offset);
+      }
+      sp[m] = s;
+    }
+  });
+  return {q, scales};
+}
+
+// out[m, n] = acc[m, n] * row_scale[m] * col_scale[n] (col_scale empty: 1), as bf16.
+torch::Tensor scale_rows_bf16(torch::Tensor acc, torch::Tensor row_scale, torch::Tensor col_scale) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && row_scale.is_contiguous(), "acc [M, N], row_scale [M]");
+  using T = c10::BFloat16;
+  const int64_t M = acc.size(0), N = acc.size(1);
+  auto out = torch::empty({M, N}, acc.options().dtype(torch::kBFloat16));
+  const float* rs = row_scale.data_ptr<float>();
+  const bool cols = col_scale.numel() == N;
+  const T* cs = cols ? col_scale.data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  auto body = [&](auto* ap) {
+    at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          const float c = cols ? static_cast<float>(cs[n]) : 1.f;
+          op[m * N + n] = static_cast<T>(static_cast<float>(ap[m * N + n]) * rs[m] * c);
+        }
+    });
+  };
+  if (acc.scalar_type() == torch::kInt) {
+    body(acc.data_ptr<int32_t>());
+  } else {
+    TORCH_CHECK(acc.scalar_type() == torch::kFloat, "acc must be int32 or float32");
+    body(acc.data_ptr<float>());
+  }
+  return out;
+}
+
 // Batches: x quantized per row, int32 = xq @ w.T by oneDNN, then out = int32 * s[m] * scale[n].
 torch::Tensor int8_mm_rows(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be int8 [N, K]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && x.device().is_cpu(), "x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "int8_mm_rows: x must be bfloat16");
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() && scale.numel() == w.size(0), "scale must be [N] in x's dtype");
-  using T = c10::BFloat16;
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  std::vector<float> xs(M);
-  const T* xp = x.data_ptr<T>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xp[m * K + k])));
-      const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-      for (int64_t k = 0; k < K; ++k) {
-        const int v = static_cast<int>(std::nearbyint(static_cast<float>(xp[m * K + k]) * inv));
-        qp[m * K + k] = static_cast<int8_t>(std::clamp(v, -127, 127));
-      }
-      xs[m] = s;
-    }
-  });
-  auto acc = at::_int_mm(xq, w.t());
-  auto out = torch::empty({M, N}, x.options());
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  const T* sp = scale.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t n = 0; n < N; ++n)
-        op[m * N + n] = static_cast<T>(static_cast<float>(ap[m * N + n]) * xs[m] * static_cast<float>(sp[n]));
-  });
-  return out;
+  auto q = quantize_rows_int8(x, false, false);
+  return scale_rows_bf16(at::_int_mm(q[0], w.t()), q[1], scale);
 }

@@ -14,6 +14,8 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 bool int8_vnni_available();
 torch::Tensor int8_gemv_vnni(torch::Tensor x, torch::Tensor w, torch::Tensor wsum, torch::Tensor scale);
 torch::Tensor int8_mm_rows(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+std::vector<torch::Tensor> quantize_rows_int8(torch::Tensor x, bool shift, bool per_tensor);
+torch::Tensor scale_rows_bf16(torch::Tensor acc, torch::Tensor row_scale, torch::Tensor col_scale);
 constexpr int64_t INT8_VNNI_MAX_ROWS = 8;  // the GEMV up to here, int8_mm_rows above (quant_linear.py)
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 bool bf16_gemm_available();
