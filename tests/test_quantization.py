@@ -92,6 +92,37 @@ def test_int4_unpacks_the_fused_kernel_layout() -> None:
     assert torch.equal(layer.int4_values(), q)
 
 
+def test_int4_onednn_copy_for_large_steps_equals_the_dequantized_gemm() -> None:
+    """bfloat16 INT4 layers on AMX CPUs keep a dequantized oneDNN copy for steps of
+    INT4_ONEDNN_MIN_ROWS+ rows (made on first use): the same products as F.linear over the
+    dequantized weight; smaller steps never make it."""
+    if not quant_linear.packing_supported_here():
+        pytest.skip("oneDNN packed linears unavailable")
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(128, 192, bias=True)).to(torch.bfloat16)
+    quantize_model(model, "int4", group_size=64, lm_head=True)
+    layer = model[0]
+    assert isinstance(layer, Int4Linear)
+    layer.dual = True  # what quantize_model sets on AMX CPUs (asserted below where there is AMX)
+    x = torch.randn(quant_linear.INT4_ONEDNN_MIN_ROWS - 1, 128).to(torch.bfloat16)
+    layer(x)
+    assert layer.onednn is None
+    x = torch.randn(quant_linear.INT4_ONEDNN_MIN_ROWS + 5, 128).to(torch.bfloat16)
+    got = layer(x)
+    assert layer.onednn is not None
+    assert torch.equal(got, F.linear(x, layer.dequantized()) + layer.bias)  # as the layer adds it
+
+
+def test_quantize_model_marks_int4_copies_on_amx_only() -> None:
+    from swiftserve.model.ops import amx_available
+
+    for dtype in (torch.bfloat16, torch.float32):
+        model = nn.Sequential(nn.Linear(128, 192, bias=False)).to(dtype)
+        quantize_model(model, "int4", group_size=64, lm_head=True)
+        want = dtype == torch.bfloat16 and amx_available() and quant_linear.packing_supported_here()
+        assert model[0].dual is want, dtype
+
+
 def test_quantize_model_leaves_lm_head_and_reports_smaller_weights() -> None:
     model = nn.Sequential()
     model.add_module("proj", nn.Linear(128, 256, bias=False))

@@ -68,8 +68,10 @@ def max_rows(model: nn.Module, weights: list[torch.Tensor]) -> int | None:
     the layers switch kernels), or None when it may take any step. INT8 (W8A8) switches inside
     the stack exactly where Int8Linear does, except for steps of INT8_ONEDNN_MIN_ROWS+ when the
     layers have oneDNN copies (``Int8Linear.dual``); INT4 layers dequantize above
-    INT4_FUSED_MAX_ROWS."""
+    INT4_FUSED_MAX_ROWS, or use their bfloat16 oneDNN copies from INT4_ONEDNN_MIN_ROWS."""
     if any(w.dtype == torch.uint8 for w in weights):
+        if any(isinstance(m, Int4Linear) and m.dual for m in model.modules()):
+            return quant_linear.INT4_ONEDNN_MIN_ROWS
         return quant_linear.INT4_FUSED_MAX_ROWS + 1
     if any(isinstance(m, Int8Linear) and m.dual for m in model.modules()):  # large steps: oneDNN copies
         return quant_linear.INT8_ONEDNN_MIN_ROWS

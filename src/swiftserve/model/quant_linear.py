@@ -51,6 +51,11 @@ INT8_VNNI_MAX_ROWS = 8  # W8A8 GEMV up to here, int8_mm_rows above (measured; = 
 # keep a oneDNN-prepacked copy, made on first use, for steps of this many rows and more: prompt
 # chunks through AMX-INT8, measured 1.9x (512 rows) to 3x (64 rows) faster than bfloat16's GEMM.
 INT8_ONEDNN_MIN_ROWS = 64
+# INT4 layers of bfloat16 models on AMX CPUs (same size policy) keep a dequantized bfloat16
+# oneDNN copy for steps of this many rows and more: PyTorch's fused int4 kernel re-reads the
+# weight per row (its time grows linearly: 8.7x oneDNN-bf16's at 64 rows), so batches and
+# prompt chunks run at bfloat16's speed instead of 0.68x of it (measured, docs/benchmarks.md).
+INT4_ONEDNN_MIN_ROWS = 12
 VNNI_GROUP = 64  # activation inputs per quantization group in gemv_vnni.cpp
 
 
@@ -104,7 +109,7 @@ class Int8Linear(nn.Module):
         self.vnni = self.kernel is not None and dtype == torch.bfloat16 and _vnni_ok(self.kernel, q.shape)
         self.register_buffer("qweight", q if self.vnni or self.kernel is None else pack_rows4(q))
         self.register_buffer("wsum", group_sums(q) if self.vnni else torch.empty(0, dtype=torch.int32))
-        self.dual = False  # a oneDNN copy for large steps (set by quantize_model: _int8_dual)
+        self.dual = False  # a oneDNN copy for large steps (set by quantize_model: _onednn_duals)
         self.onednn: torch.Tensor | None = None
         self.register_buffer("scale", scale.to(dtype))
         self.bias = linear.bias
@@ -151,22 +156,38 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def _int8_dual(model: nn.Module) -> int:
-    """On AMX CPUs, mark the W8A8 layers for a oneDNN copy when the model is small enough."""
+def _onednn_duals(model: nn.Module) -> int:
+    """On AMX CPUs, mark the quantized layers of a bfloat16 model for a oneDNN copy (INT8:
+    prepacked int8; INT4: dequantized bfloat16) when the copies fit DUAL_PACK_MAX_BYTES."""
     from swiftserve.model.ops import amx_available
     from swiftserve.model.packed_linear import DUAL_PACK_MAX_BYTES
 
-    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.vnni]
-    total = sum(m.qweight.numel() for m in layers)
-    if not layers or not amx_available() or total > DUAL_PACK_MAX_BYTES or not _onednn_int8():
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear) and m.vnni]
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear) and m.scale.dtype == torch.bfloat16]
+    total = sum(m.qweight.numel() for m in int8) + sum(2 * m.in_features * m.out_features for m in int4)
+    if not (int8 or int4) or not amx_available() or total > DUAL_PACK_MAX_BYTES:
         return 0
+    if int4 and not packing_supported_here():
+        int4 = []
+    if int8 and not _onednn_int8():
+        int8 = []
+    layers: list[Int8Linear | Int4Linear] = [*int8, *int4]
     for layer in layers:
         layer.dual = True
-    logger.info(
-        "AMX: oneDNN int8 copies of %d layers (%.0f MB, made on first use) for steps of %d+ rows",
-        len(layers), total / 2**20, INT8_ONEDNN_MIN_ROWS,
-    )  # fmt: skip
-    return len(layers)
+    if int8 or int4:
+        logger.info(
+            "AMX: oneDNN %s copies of %d layers (%.0f MB, made on first use) for steps of %d+ rows",
+            "int8" if int8 else "bfloat16", len(int8) + len(int4), total / 2**20,
+            INT8_ONEDNN_MIN_ROWS if int8 else INT4_ONEDNN_MIN_ROWS,
+        )  # fmt: skip
+    return len(int8) + len(int4)
+
+
+def packing_supported_here() -> bool:
+    """Whether oneDNN's packed bfloat16 linear runs (and equals F.linear) in this build."""
+    from swiftserve.model.packed_linear import packing_supported
+
+    return packing_supported(torch.bfloat16)
 
 
 _ONEDNN_INT8: list[bool] = []
@@ -237,6 +258,8 @@ class Int4Linear(nn.Module):
         )
         self.register_buffer("qweight", packed)
         self.bias = linear.bias
+        self.dual = False  # a bf16 oneDNN copy for large steps (set by quantize_model: _onednn_duals)
+        self.onednn: torch.Tensor | None = None
 
     def int4_values(self) -> torch.Tensor:
         """The unpacked INT4 values [N, K] (int32 in [0, 15])."""
@@ -248,8 +271,19 @@ class Int4Linear(nn.Module):
         """The weight this layer computes with, in the compute dtype."""
         return dequantize_int4(self.int4_values(), self.scale, self.zero).to(self.scale.dtype)
 
+    def _onednn_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight's oneDNN-packed bfloat16 copy (made here on first use, so a
+        single-stream user pays neither its memory nor its time): equal to the F.linear path."""
+        if self.onednn is None:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.dequantized(), 1)
+        return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
+            x.contiguous(), self.onednn, None, "none", [], ""
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.shape[0] <= INT4_FUSED_MAX_ROWS and _fused_ok(x):
+        if self.dual and x.shape[0] >= INT4_ONEDNN_MIN_ROWS and x.dtype == torch.bfloat16:
+            out = self._onednn_mm(x)
+        elif self.fused and x.shape[0] <= INT4_FUSED_MAX_ROWS and _fused_ok(x):
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
             )
@@ -326,8 +360,7 @@ def quantize_model(
             layer = Int4Linear(linear, group)
         setattr(parent, child, layer)
         count += 1
-    if method == "int8":
-        _int8_dual(model)
+    _onednn_duals(model)
     if method == "int8" and count and not any(getattr(m, "vnni", False) for m in model.modules()):
         # (the float kernels are exact and never wrong, only slower: one line, not an error)
         logger.info(
