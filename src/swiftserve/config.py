@@ -21,6 +21,17 @@ DP_BACKENDS = ("mp", "ray")
 KV_CACHE_DTYPES = ("auto", "int8")
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 MAX_SPECULATIVE_TOKENS = 16
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+def _check_draft_dir(own: str, model: str | None) -> None:
+    """A draft checkpoint must be a directory with a config.json (checked before any load)."""
+    from pathlib import Path
+
+    if not model:
+        raise ValueError(f"{own}: method 'draft_model' needs 'model' (the draft checkpoint directory)")
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"{own}.model: {model!r} is not a checkpoint directory (no config.json)")
 
 
 @reject_unknown_options
@@ -29,8 +40,10 @@ class SpeculativeConfig:
     """vLLM's ``speculative_config``. ``method="ngram"`` (prompt lookup): the last n tokens
     (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked up earlier in
     the prompt and output, and the ``num_speculative_tokens`` that followed them are proposed.
-    A draft ``model`` is not supported yet (a clear error). ``adaptive`` (ours): speculate
-    only in steps where the measured acceptance pays for the extra rows (core/ngram.py)."""
+    ``method="draft_model"`` (the default when ``model`` is given): a small checkpoint with the
+    target's vocabulary proposes them greedily, on its own KV cache over the same block tables
+    (worker/draft_runner.py). ``adaptive`` (ours): speculate only in steps where the measured
+    acceptance pays for the extra rows (core/ngram.py)."""
 
     num_speculative_tokens: int = 3
     method: str | None = None
@@ -42,10 +55,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         own = "speculative_config"
         method = self.method or ("draft_model" if self.model else None)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"{own}.method must be one of {SPEC_METHODS}, got {self.method!r}")
         if method == "draft_model":
-            raise ValueError(f"{own}: a draft model is not supported yet; use method 'ngram'")
-        if method != "ngram":
-            raise ValueError(f"{own}.method must be 'ngram', got {self.method!r}")
+            _check_draft_dir(own, self.model)
+        elif self.model is not None:
+            raise ValueError(f"{own}.model is for method 'draft_model', not {method!r}")
         object.__setattr__(self, "method", method)
         _positive_int(own, "num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
@@ -105,10 +120,11 @@ class EngineConfig:
     from config.json alone (benchmarks of big shapes). ``tokenizer_mode``: "auto" loads a
     generic tokenizer.json with the ``tokenizers`` library (no transformers import at start),
     "hf" always through ``transformers.AutoTokenizer``. ``speculative_config`` (a dict, JSON
-    text or SpeculativeConfig): n-gram speculative decoding, verified exactly (core/ngram.py,
-    worker/spec_verify.py). ``data_parallel_size`` (server): that many engine processes behind one
-    API server, each pinned to its share of ``cpu_affinity`` (default: the cores this process
-    may use, split evenly, NUMA node by node) with one torch thread per core (engine/dp_client.py).
+    text or SpeculativeConfig): n-gram or draft-model speculative decoding, verified exactly
+    (core/ngram.py, core/draft.py, worker/draft_runner.py, worker/spec_verify.py).
+    ``data_parallel_size`` (server): that many engine processes behind one API server, each
+    pinned to its share of ``cpu_affinity`` (default: the cores this process may use, split
+    evenly, NUMA node by node) with one torch thread per core (engine/dp_client.py).
     Tensor and pipeline parallelism are refused with a clear error (not built yet).
     ``kv_cache_dtype`` (vLLM's name): "auto" (the model's dtype) or "int8" (CPU: rows of int8
     values with a float32 scale each, model/kv_quant.py; fp8 is the GPU's name, refused here).

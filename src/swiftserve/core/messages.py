@@ -61,6 +61,7 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str]
     num_batched_tokens: int
     preempted_request_ids: tuple[str, ...] = ()
+    draft_ids: frozenset[str] = frozenset()  # requests the draft model proposes for after the step
 
     @property
     def is_empty(self) -> bool:
@@ -77,6 +78,8 @@ class RunnerOutput:
     # speculative rows: the accepted drafts plus one token sampled after them, and their logprobs
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)
+    # the draft model's proposals for the next step (core/draft.py)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,23 @@ def eligible(request: Request) -> bool:
 class NgramProposer:
     """Proposes up to ``k`` draft tokens per request by prompt lookup."""
 
+    lookahead = 0  # KV slots past a step's tokens that proposing writes (core/draft.py: k)
+
     def __init__(self, k: int, min_n: int, max_n: int, adaptive: bool = True):
         self.k, self.min_n, self.max_n, self.adaptive = k, min_n, max_n, adaptive
         self._indexes: dict[str, _Index] = {}
         self.acceptance = 1.0  # moving average of accepted / proposed, optimistic at first
+
+    def wants(self, request: Request) -> bool:
+        """Whether the worker should propose for this request after the step (draft models;
+        prompt lookup proposes here, in ``propose``)."""
+        return False
+
+    def receive(self, request_id: str, drafts: list[int]) -> None:
+        """Proposals made by the worker (draft models only)."""
+
+    def _index(self, request_id: str) -> _Index:
+        return self._indexes.setdefault(request_id, _Index())
 
     def pays(self, cost: StepCostModel, decode_rows: int, step: int) -> bool:
         """Whether verifying drafts is worth it this step. A draft token costs about one more
@@ -62,7 +75,7 @@ class NgramProposer:
         if k <= 0 or not eligible(request):
             return []
         tokens = request.prompt_token_ids + request.output_token_ids
-        index = self._indexes.setdefault(request.request_id, _Index())
+        index = self._index(request.request_id)
         self._extend(index, tokens)
         if index.cooldown:
             index.cooldown -= 1

@@ -91,6 +91,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._new_ids: set[str] = set()
         self.proposer = proposer
+        self.lookahead = proposer.lookahead if proposer is not None else 0
+        self._want_drafts = False
         self.spec = SpecDecodeStats()
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
         self._decode_rows = 0  # rows of this step that decode (the long-context chunk cap)
@@ -181,7 +183,11 @@ class Scheduler:
         index = 0
         self._drafts = {}
         decode_rows = self._decode_rows = sum(r.num_pending == 1 for r in self.running)
-        speculate = self.proposer is not None and self.proposer.pays(self.cost, decode_rows, self.num_steps)
+        pays = self.proposer is not None and self.proposer.pays(self.cost, decode_rows, self.num_steps)
+        # a draft model's proposals are paid for when made: ask for them only when it pays,
+        # and verify whatever came back
+        self._want_drafts = pays and self.lookahead > 0
+        speculate = pays or self.lookahead > 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if request.num_pending <= 0 or self._at_limit(request):
@@ -189,13 +195,13 @@ class Scheduler:
                 continue
             num_new = self._chunk(request.num_computed_tokens, request.num_pending, budget)
             drafts = self._propose(request, budget) if num_new == 1 and speculate else []
-            if drafts and self.bm.allocate_slots(request, 1 + len(drafts)):
+            if drafts and self._allocate(request, 1 + len(drafts)):
                 self._drafts[request.request_id] = drafts  # verified with the last token
                 scheduled[request.request_id] = 1 + len(drafts)
                 budget -= 1 + len(drafts)
                 index += 1
                 continue
-            while not self.bm.allocate_slots(request, num_new):
+            while not self._allocate(request, num_new):
                 victim = self.running[-1]
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
@@ -224,7 +230,7 @@ class Scheduler:
             if not self.chunked and num_new > budget:
                 break
             num_new = self._chunk(num_computed, num_new, budget)
-            if not self.bm.allocate_slots(request, num_new, computed):
+            if not self._allocate(request, num_new, computed):
                 if not self._preempt_for(request, scheduled, preempted):
                     break
                 budget = self._step_budget - sum(scheduled.values())
@@ -241,6 +247,12 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _allocate(self, request: Request, num_new: int, computed: list[int] | None = None) -> bool:
+        """Blocks for ``num_new`` tokens, plus the draft model's lookahead slots if they fit."""
+        if self.lookahead and self.bm.allocate_slots(request, num_new + self.lookahead, computed):
+            return True
+        return self.bm.allocate_slots(request, num_new, computed)
 
     def _at_limit(self, request: Request) -> bool:
         """A placeholder in flight already reaches max_tokens or the context length."""
@@ -287,6 +299,7 @@ class Scheduler:
         items: list[ScheduledRequest] = []
         new: list[NewRequestData] = []
         batch: list[Request] = []
+        draft_ids: set[str] = set()
         for request in self.running:
             num_new = scheduled.get(request.request_id)
             if num_new is None:
@@ -323,9 +336,13 @@ class Scheduler:
             request.num_computed_tokens = end + len(drafts)
             request.num_placeholders += sample
             batch.append(request)
+            if sample and self.proposer is not None and self.proposer.wants(request) and self._want_drafts:
+                draft_ids.add(request.request_id)
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
-        out = SchedulerOutput(items, new, finished, sum(scheduled.values()), tuple(preempted))
+        out = SchedulerOutput(
+            items, new, finished, sum(scheduled.values()), tuple(preempted), frozenset(draft_ids)
+        )
         while len(self._batches) >= 4:  # a step that never came back (an engine fault)
             del self._batches[next(iter(self._batches))]
         self._batches[id(out)] = batch
@@ -364,8 +381,11 @@ class Scheduler:
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             self.bm.cache_full_blocks(request)
             self.spec.observe(item.num_spec, max(len(tokens) - 1, 0), len(new_tokens))
-            if item.num_spec and self.proposer is not None:
-                self.proposer.observe(request.request_id, item.num_spec, max(len(tokens) - 1, 0))
+            if self.proposer is not None:
+                if item.num_spec:
+                    self.proposer.observe(request.request_id, item.num_spec, max(len(tokens) - 1, 0))
+                if item.request_id in result.draft_token_ids:
+                    self.proposer.receive(item.request_id, result.draft_token_ids[item.request_id])
             prompt_lps = result.prompt_logprobs.get(item.request_id)
             if not new_tokens and prompt_lps is None:
                 continue

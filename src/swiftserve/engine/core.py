@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
+from swiftserve.core.draft import DraftProposer
 from swiftserve.core.messages import EngineCoreOutput, EngineCoreRequest, RunnerOutput, SchedulerOutput
 from swiftserve.core.ngram import NgramProposer
 from swiftserve.core.request import Request, RequestStatus
@@ -42,16 +43,16 @@ class EngineCore:
         self.executor.initialize_kv_cache(blocks)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         spec = config.speculative_config
-        proposer = (
-            NgramProposer(
+        proposer: NgramProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            proposer = DraftProposer(spec.num_speculative_tokens, spec.adaptive)
+        elif spec is not None:
+            proposer = NgramProposer(
                 spec.num_speculative_tokens,
                 spec.prompt_lookup_min or 1,
                 spec.prompt_lookup_max or 1,
                 spec.adaptive,
             )
-            if spec is not None
-            else None
-        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

@@ -255,9 +255,7 @@ class ModelRunner:
             return result
         if self._graph_step(sched.scheduled):
             return self._replay(sched.scheduled, result)
-        batch = self._prepare(sched.scheduled)
-        t = batch.num_tokens
-        hidden = self.model(self._ids_t[:t], self._pos_t[:t], self.kv_caches, batch.meta)
+        hidden, batch = self.forward(sched.scheduled)
         rows = [r for r, _ in batch.sample_rows]
         for _, spec_rows, _ in batch.spec_rows:
             rows.extend(spec_rows)
@@ -278,6 +276,13 @@ class ModelRunner:
             self._verify(logits[num_sample : num_sample + num_spec], batch.spec_rows, result)
         self._prompt_logprobs(logits[num_sample + num_spec :], batch, result)
         return result
+
+    def forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, _Batch]:
+        """The model's final hidden states for these rows (their KV written), and the batch
+        layout that says which row is whose (the draft model runs its steps through this)."""
+        batch = self._prepare(scheduled)
+        t = batch.num_tokens
+        return self.model(self._ids_t[:t], self._pos_t[:t], self.kv_caches, batch.meta), batch
 
     def _verify(
         self, logits: torch.Tensor, spec_rows: list[tuple[str, list[int], list[int]]], result: RunnerOutput

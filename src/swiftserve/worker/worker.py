@@ -19,9 +19,11 @@ from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
 from swiftserve.model.attention import AttentionMetadata
 from swiftserve.model.config import ModelConfig
 from swiftserve.model.kv_quant import bytes_per_row
+from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.model.loader import load_model
 from swiftserve.model.ops import KernelOptions, select_ops
 from swiftserve.model.quant_linear import quantize_model, weight_bytes
+from swiftserve.worker.draft_runner import DraftRunner, check_draft
 from swiftserve.worker.guided import GuidedDecoding
 from swiftserve.worker.model_runner import ModelRunner
 
@@ -47,15 +49,19 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
 
 
 def num_kv_blocks(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    extra_bytes_per_token: int = 0,
 ) -> int:
-    """Pool size from num_kv_blocks, else kv_cache_memory bytes (capped at what can be used)."""
+    """Pool size from num_kv_blocks, else kv_cache_memory bytes (capped at what can be used).
+    ``extra_bytes_per_token``: a draft model's KV, which shares the block ids."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     kv_dtype = kv_cache_dtype(config, dtype)
-    block_bytes = config.block_size * model_config.kv_bytes_per_token(
-        bytes_per_row(model_config.head_dim, kv_dtype)
-    )
+    row = bytes_per_row(model_config.head_dim, kv_dtype)
+    block_bytes = config.block_size * (model_config.kv_bytes_per_token(row) + extra_bytes_per_token)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     memory = config.kv_cache_memory
     blocks = (memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
@@ -160,6 +166,35 @@ class Worker:
             model.stack = self.ops.stack_weights(model)
         self.model = model
         self.runner: ModelRunner | None = None
+        self.drafter: DraftRunner | None = None
+        self.draft_model = self._load_draft(options, progress)
+
+    def _load_draft(self, options: KernelOptions, progress: bool) -> LlamaForCausalLM | None:
+        """The speculative draft model (method "draft_model"), in the target's dtype, with its
+        own kernel backend object (a backend keeps per-model state such as stack limits)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        assert spec.model is not None
+        draft_dir = Path(spec.model)
+        self.draft_config = check_draft(self.model_dir, draft_dir, self.max_model_len)
+        with startup.current().phase("draft model"):
+            self.draft_ops = select_ops(self.config.kernel_backend, self.device, options)
+            dtype = str(self.model.dtype).removeprefix("torch.")
+            draft = load_model(draft_dir, dtype, self.max_model_len, progress, self.device)
+            self.draft_ops.pack_linears(draft)
+            draft.stack = self.draft_ops.stack_weights(draft)
+        logger.info(
+            "draft model %s: %.1fM parameters", draft_dir, sum(p.numel() for p in draft.parameters()) / 1e6
+        )
+        return draft
+
+    def _draft_bytes_per_token(self) -> int:
+        if self.draft_model is None:
+            return 0
+        return self.draft_config.kv_bytes_per_token(
+            bytes_per_row(self.draft_config.head_dim, self.model.dtype)
+        )
 
     @property
     def model_info(self) -> ModelInfo:
@@ -182,12 +217,16 @@ class Worker:
         """
         config = self.config
         if self.device.type != "cuda" or config.num_kv_blocks is not None or config.kv_cache_memory:
-            return num_kv_blocks(config, self.model_config, self.model.dtype, self.max_model_len)
+            return num_kv_blocks(
+                config, self.model_config, self.model.dtype, self.max_model_len, self._draft_bytes_per_token()
+            )
         with startup.current().phase("profile memory"):
             peak = profile_peak_memory(self.model, self.ops, config.max_num_batched_tokens, config.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
         row = bytes_per_row(self.model_config.head_dim, self.model.dtype)  # (int8 KV is CPU-only)
-        block_bytes = config.block_size * self.model_config.kv_bytes_per_token(row)
+        block_bytes = config.block_size * (
+            self.model_config.kv_bytes_per_token(row) + self._draft_bytes_per_token()
+        )
         budget = int(total * config.gpu_memory_utilization) - peak
         useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         blocks = min(budget // block_bytes, useful)
@@ -215,6 +254,18 @@ class Worker:
                 ),
                 kv_dtype=kv_cache_dtype(self.config, self.model.dtype),
             )
+        if self.draft_model is not None:
+            spec = self.config.speculative_config
+            assert spec is not None
+            self.drafter = DraftRunner(
+                self.draft_model,
+                self.draft_ops,
+                k=spec.num_speculative_tokens,
+                num_blocks=num_blocks,
+                block_size=self.config.block_size,
+                max_num_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs,
+                max_model_len=self.max_model_len,
+            )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
         # graphs need every attention row on the paged kernel (fixed shapes, no per-step mask)
         if self.device.type == "cuda" and not self.config.enforce_eager and not self.ops.decode_mask:
@@ -223,4 +274,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
-        return self.runner.execute(scheduler_output)
+        result = self.runner.execute(scheduler_output)
+        if self.drafter is not None and not scheduler_output.is_empty:
+            self.drafter.propose(scheduler_output, self.runner.states, result)
+        return result

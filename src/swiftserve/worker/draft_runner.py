@@ -1,0 +1,147 @@
+"""DraftRunner: a small draft model that proposes tokens for speculative decoding.
+
+It runs after every target step, on its own KV cache laid out over the *same* block ids as
+the target's (a block id names the same positions in both pools; only the bytes per block
+differ), so block tables, prefix-cache hits and preemption need nothing of their own:
+
+1. **catch-up**: one forward over every scheduled request's tokens that are now known to be
+   right, from the step's first position (the bonus token the target just sampled included).
+   Its KV then covers every position the target has computed, which is what keeps a
+   prefix-cache hit or a recomputation after preemption valid for the draft as well;
+2. **proposals**: for the requests the scheduler asked for (``SchedulerOutput.draft_ids``),
+   the argmax at the last catch-up row is the first draft token, and k - 1 one-token steps
+   give the rest (greedy drafts: a point mass, which the verifier accepts with the target's
+   probability, so outputs stay exact whatever the draft proposes).
+
+Draft KV written past the accepted tokens is rewritten by the next catch-up. Proposals stop
+at the request's allocated blocks (the scheduler's lookahead slots, core/draft.py) and at the
+context length: the draft never writes into a block that is not the request's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from swiftserve.core.messages import RunnerOutput, ScheduledRequest, SchedulerOutput
+from swiftserve.model.config import ModelConfig
+from swiftserve.model.llama import LlamaForCausalLM
+from swiftserve.model.ops import TorchOps
+from swiftserve.worker.model_runner import ModelRunner
+from swiftserve.worker.sampler import SamplingState
+
+logger = logging.getLogger(__name__)
+
+
+class DraftRunner:
+    """The draft model, its KV cache, and the two phases of a proposal (module docstring)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        ops: TorchOps,
+        *,
+        k: int,
+        num_blocks: int,
+        block_size: int,
+        max_num_tokens: int,
+        max_model_len: int,
+    ):
+        self.k = k
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        # the runner gives the draft its own KV pool and input buffers; it never samples
+        self.runner = ModelRunner(
+            model, ops, num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_tokens
+        )
+
+    @torch.inference_mode()
+    def propose(self, sched: SchedulerOutput, states: dict[str, SamplingState], result: RunnerOutput) -> None:
+        """Catch the draft's KV up with this step and fill ``result.draft_token_ids``."""
+        rows: list[ScheduledRequest] = []
+        for s in sched.scheduled:
+            state = states.get(s.request_id)
+            if state is None:
+                continue
+            row = self._catch_up_row(s, state, s.request_id in sched.draft_ids)
+            if row is not None:
+                rows.append(row)
+        if not rows:
+            return
+        last = self._forward(rows)  # argmax at the last row of each proposing request
+        drafts = {rid: [token] for rid, token in last.items()}
+        ends = {r.request_id: r.start_pos + len(r.token_ids) for r in rows if r.sample}
+        tables = {r.request_id: r.block_ids for r in rows if r.sample}
+        for _ in range(self.k - 1):
+            step = [
+                ScheduledRequest(rid, [d[-1]], ends[rid] + len(d) - 1, tables[rid], True)
+                for rid, d in drafts.items()
+                if self._room(ends[rid] + len(d) - 1, tables[rid])
+            ]
+            if not step:
+                break
+            for rid, token in self._forward(step).items():
+                drafts[rid].append(token)
+        result.draft_token_ids.update(drafts)
+
+    def _catch_up_row(
+        self, s: ScheduledRequest, state: SamplingState, propose: bool
+    ) -> ScheduledRequest | None:
+        """The request's known-right tokens from the step's first position; ``sample`` marks
+        the rows whose last token starts a proposal."""
+        tokens = state.prompt_token_ids + state.output_token_ids
+        sampled = s.sample and len(tokens) > s.start_pos + len(s.token_ids) - s.num_spec
+        # a prompt chunk: its own tokens; a row that sampled: up to and with the new token
+        end = len(tokens) if sampled else s.start_pos + len(s.token_ids)
+        end = min(end, len(s.block_ids) * self.block_size, self.max_model_len)
+        if end <= s.start_pos:
+            return None
+        ids = tokens[s.start_pos : end]
+        return ScheduledRequest(s.request_id, ids, s.start_pos, s.block_ids, propose and sampled)
+
+    def _room(self, position: int, block_ids: list[int]) -> bool:
+        return position < min(len(block_ids) * self.block_size, self.max_model_len)
+
+    def _forward(self, rows: list[ScheduledRequest]) -> dict[str, int]:
+        """One draft forward; the argmax token of each sampling row, by request id."""
+        hidden, batch = self.runner.forward(rows)
+        if not batch.sample_rows:
+            return {}
+        index = torch.tensor([r for r, _ in batch.sample_rows], device=hidden.device)
+        tokens = self.runner.model.compute_logits(hidden.index_select(0, index)).argmax(dim=-1).tolist()
+        return {rid: token for (_, rid), token in zip(batch.sample_rows, tokens, strict=True)}
+
+
+def check_draft(target_dir: Path, draft_dir: Path, max_model_len: int) -> ModelConfig:
+    """The draft's config, after checking it can propose for the target: the same vocabulary
+    (size and, where both ship a tokenizer.json, the same token strings) and positions for
+    the whole context. A clear ValueError naming ``speculative_config.model`` otherwise."""
+    own = "speculative_config.model"
+    target, draft = ModelConfig.from_dir(target_dir), ModelConfig.from_dir(draft_dir)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{own}: the draft's vocab_size ({draft.vocab_size}) differs from the target's "
+            f"({target.vocab_size})"
+        )
+    vocabs = [_vocab(d) for d in (target_dir, draft_dir)]
+    if vocabs[0] is not None and vocabs[1] is not None and vocabs[0] != vocabs[1]:
+        raise ValueError(f"{own}: the draft's tokenizer differs from the target's (another vocabulary)")
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"{own}: the draft's max_position_embeddings ({draft.max_position_embeddings}) is below "
+            f"max_model_len ({max_model_len})"
+        )
+    return draft
+
+
+def _vocab(model_dir: Path) -> dict[str, int] | None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    vocab = data.get("model", {}).get("vocab")
+    added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    return {**vocab, **added} if isinstance(vocab, dict) else None
