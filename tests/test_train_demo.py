@@ -56,3 +56,24 @@ def test_training_is_reproducible_and_loadable(tmp_path: Path) -> None:
         pad_token_id=0,
     )
     assert ours[0].outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_draft_preset_shares_the_target_tokenizer_and_drafts_for_it(tmp_path: Path) -> None:
+    """``train-demo --preset draft``: the demo model's tokenizer as it is (same ids), and the
+    checkpoint serves as the demo model's speculative draft (exact greedy output)."""
+    from swiftserve.engine.model_source import demo_model_dir
+    from swiftserve.tools.train_demo import DRAFT_CONFIG
+
+    cfg = replace(
+        DRAFT_CONFIG, max_position_embeddings=2048, seq_len=32, batch_size=4, steps=2, warmup_steps=1
+    )
+    draft = train_demo(tmp_path / "draft", cfg, progress=False, max_files=4, tokenizer_from=demo_model_dir())
+    assert (draft / "tokenizer.json").read_text() == (demo_model_dir() / "tokenizer.json").read_text()
+    prompts = [{"prompt_token_ids": list(range(30, 60))}, {"prompt_token_ids": [5, 6, 7] * 8}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(demo_model_dir()), speculative_config=spec, progress=False)
+    plain = LLM(str(demo_model_dir()), progress=False).generate(prompts, params, use_tqdm=False)
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.scheduler.spec.num_draft_tokens > 0

@@ -59,14 +59,21 @@ def _eval_perplexity(args: argparse.Namespace) -> int:
 
 
 def _train_demo(args: argparse.Namespace) -> int:
+    import json
     from dataclasses import replace
 
-    from swiftserve.tools.train_demo import TrainConfig, train_demo
+    from swiftserve.engine.model_source import demo_model_dir
+    from swiftserve.tools.train_demo import PRESETS, train_demo
 
-    cfg = TrainConfig()
+    cfg = PRESETS[args.preset]
     overrides = {k: getattr(args, k) for k in ("steps", "seed", "threads") if getattr(args, k) is not None}
-    train_demo(args.out, replace(cfg, **overrides))
-    print(f"use it with: swiftserve serve --model {args.out}")
+    target = args.target or (str(demo_model_dir()) if args.preset == "draft" else None)
+    train_demo(args.out, replace(cfg, **overrides), tokenizer_from=target)
+    if args.preset == "draft":
+        spec = json.dumps({"model": str(args.out), "num_speculative_tokens": 3})
+        print(f"use it with: swiftserve serve --model {target} --speculative-config '{spec}'")
+    else:
+        print(f"use it with: swiftserve serve --model {args.out}")
     return 0
 
 
@@ -147,6 +154,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-demo", help="train the demo model on the stdlib (about 13 min, 2 cores)")
     train.add_argument("--out", required=True, help="checkpoint directory to write")
+    train.add_argument(
+        "--preset",
+        choices=("demo", "draft"),
+        default="demo",
+        help="demo: the 12M demo model; draft: a 2-layer draft for speculative decoding (its tokenizer "
+        "taken from --target, default the bundled demo model)",
+    )
+    train.add_argument("--target", default=None, help="draft preset: the target checkpoint (tokenizer)")
     train.add_argument("--steps", type=int, default=None, help="optimiser steps (default 600)")
     train.add_argument("--seed", type=int, default=None)
     train.add_argument(

@@ -55,6 +55,14 @@ class TrainConfig:
         return self.peak_lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
 
+# ``--preset draft``: a two-layer model on the same corpus with the demo model's own tokenizer,
+# the draft for speculative decoding with the demo model as target (about 3M parameters).
+DRAFT_CONFIG = TrainConfig(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+PRESETS = {"demo": TrainConfig(), "draft": DRAFT_CONFIG}
+
+
 def _token_stream(tokenizer: Any, texts: list[str]) -> np.ndarray:
     """All training files as one token array, documents separated by <|endoftext|>."""
     sep = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -123,15 +131,19 @@ def _train_loop(model: Any, stream: np.ndarray, cfg: TrainConfig, progress: bool
 
 
 def train_demo(
-    out: str | Path, cfg: TrainConfig | None = None, progress: bool = True, max_files: int | None = None
+    out: str | Path,
+    cfg: TrainConfig | None = None,
+    progress: bool = True,
+    max_files: int | None = None,
+    tokenizer_from: str | Path | None = None,
 ) -> Path:
     """Train the demo model and write a Hugging Face checkpoint directory to ``out``.
 
-    ``max_files`` keeps only the first training files (for quick tests).
+    ``max_files`` keeps only the first training files (for quick tests). ``tokenizer_from``:
+    a checkpoint whose tokenizer to use as it is instead of training one (a draft model must
+    share its target's token ids exactly).
     """
     import torch
-
-    from swiftserve.tools.demo import build_tokenizer
 
     cfg = cfg or TrainConfig()
     started = time.perf_counter()
@@ -141,7 +153,7 @@ def train_demo(
     texts = list(read_texts(train_files))
     if progress:
         print(f"Corpus: {len(texts)} train files, {len(heldout_files)} held out; training the tokenizer...")
-    tokenizer = build_tokenizer(cfg.vocab_size, texts)
+    tokenizer = _tokenizer(cfg, texts, tokenizer_from)
     stream = _token_stream(tokenizer, texts)
     model = _build_model(cfg, tokenizer)
     params = sum(p.numel() for p in model.parameters())
@@ -168,8 +180,24 @@ def train_demo(
         "losses_every_20": losses[::20],
         "elapsed_s": round(time.perf_counter() - started, 1),
         "torch": torch.__version__,
+        "tokenizer_from": str(tokenizer_from) if tokenizer_from else None,
     }
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     if progress:
         print(f"Saved to {out} in {report['elapsed_s']} s; final loss {report['final_loss']:.3f}")
     return out
+
+
+def _tokenizer(cfg: TrainConfig, texts: list[str], tokenizer_from: str | Path | None) -> Any:
+    from swiftserve.tools.demo import build_tokenizer
+
+    if tokenizer_from is None:
+        return build_tokenizer(cfg.vocab_size, texts)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    if len(tokenizer) != cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer of {tokenizer_from} has {len(tokenizer)} tokens, not {cfg.vocab_size}"
+        )
+    return tokenizer
