@@ -1,16 +1,19 @@
-"""``swiftserve bench spec``: TPOT with and without n-gram speculation, side by side in one process.
+"""``swiftserve bench spec``: TPOT with and without speculation, side by side in one process.
 
-Two engines on the same model (one with ``speculative_config``), the same fresh prompts for
-both in every round (which one runs first alternates), greedy by default. Workloads:
+Engines on the same model: ``plain``, ``ngram`` (prompt lookup) and ``draft`` (a draft model,
+``--draft-model DIR``), as ``--methods`` lists them; the same fresh prompts for all in every
+round (the order rotates), greedy by default. Workloads:
 
 - ``copy``: each prompt quotes a slice of a held-out standard-library file (the demo model
   never trained on it), then starts quoting it again: the continuation is a copy, the case
   prompt lookup is made for;
+- ``heldout``: a slice of a held-out file to be continued (no copy in sight): what a draft
+  model trained on the same kind of text predicts;
 - ``random``: random token ids, where lookups rarely match: what speculation costs when it
   fails.
 
-Reported per batch size: TPOT mean (per request, first token excluded), output tokens/s, and
-the acceptance figures of the speculative engine (rate, mean acceptance length).
+Reported per batch size and method: TPOT mean (per request, first token excluded), output
+tokens/s, and the acceptance figures (rate, mean acceptance length).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from swiftserve.bench.throughput import random_prompts
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=("copy", "random"), default="copy")
+    parser.add_argument("--workload", choices=("copy", "heldout", "random"), default="copy")
+    parser.add_argument("--methods", default="plain,ngram", help="engines side by side: plain,ngram,draft")
+    parser.add_argument("--draft-model", default=None, help="the draft checkpoint (method draft)")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--quote-chars", type=int, default=900, help="copy: characters quoted from a file")
@@ -41,8 +46,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
 
 
-def copy_prompts(num: int, chars: int, seed: int) -> list[str]:
-    """A held-out file's slice, then the start of the same slice again (to be continued)."""
+def copy_prompts(num: int, chars: int, seed: int, copy: bool = True) -> list[str]:
+    """A held-out file's slice, then the start of the same slice again (to be continued);
+    ``copy=False``: the slice alone."""
     from swiftserve.tools.corpus import split_files
 
     _, heldout = split_files()
@@ -54,7 +60,7 @@ def copy_prompts(num: int, chars: int, seed: int) -> list[str]:
             continue
         start = rng.randrange(0, len(text) - chars)
         quote = text[start : start + chars]
-        prompts.append(f"{quote}\n\n# The same code again:\n{quote[: chars // 4]}")
+        prompts.append(f"{quote}\n\n# The same code again:\n{quote[: chars // 4]}" if copy else quote)
     return prompts
 
 
@@ -84,59 +90,82 @@ def run(args: argparse.Namespace) -> None:
     from swiftserve.cli_args import engine_kwargs
 
     engine = engine_kwargs(args)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min,
-    }
-    engines = {"plain": LLM(**engine), "ngram": LLM(**engine, speculative_config=spec)}
+    specs = _specs(args)
+    engines = {name: LLM(**engine, speculative_config=specs.get(name)) for name in _methods(args)}
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=0)
     vocab = engines["plain"].inputs.vocab_size
 
     def prompts_for(num: int, seed: int) -> list[Any]:
-        if args.workload == "copy":
-            return list(copy_prompts(num, args.quote_chars, seed))
+        if args.workload in ("copy", "heldout"):
+            return list(copy_prompts(num, args.quote_chars, seed, args.workload == "copy"))
         return [{"prompt_token_ids": p} for p in random_prompts(num, args.input_len, vocab, seed)]
 
     for llm in engines.values():  # warm-up
         llm.generate(prompts_for(2, args.bench_seed + 999), params, use_tqdm=False)
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        runs: dict[str, list[dict[str, float]]] = {"plain": [], "ngram": []}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+        names = list(engines)
         for r in range(args.rounds):
             prompts = prompts_for(batch, args.bench_seed + 1000 * r + batch)
-            order = ["plain", "ngram"] if r % 2 == 0 else ["ngram", "plain"]
-            for name in order:
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
                 runs[name].append(_measure(engines[name], prompts, params))
         rows.append(_summarise(batch, runs))
         row = rows[-1]
-        print(
-            f"{args.workload} batch {batch}: TPOT plain {row['tpot_plain_ms']:.2f} ms, ngram "
-            f"{row['tpot_ngram_ms']:.2f} ms ({row['tpot_speedup']:.2f}x); tok/s {row['tok_s_plain']:.1f} vs "
-            f"{row['tok_s_ngram']:.1f}; acceptance {row['acceptance_rate']:.2f}, mean length "
-            f"{row['mean_acceptance_length']:.2f}"
-        )
+        line = f"{args.workload} batch {batch}: TPOT plain {row['tpot_plain_ms']:.2f} ms"
+        line += f", tok/s {row['tok_s_plain']:.1f}"
+        for name in names[1:]:
+            line += (
+                f"; {name} {row[f'tpot_{name}_ms']:.2f} ms ({row[f'tpot_speedup_{name}']:.2f}x), tok/s "
+                f"{row[f'tok_s_{name}']:.1f}, acceptance {row[f'acceptance_rate_{name}']:.2f}, mean length "
+                f"{row[f'mean_acceptance_length_{name}']:.2f}"
+            )
+        print(line)
     if args.output_json:
-        report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "spec": spec, "rows": rows}
+        report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "spec": specs, "rows": rows}
         Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
+
+
+def _methods(args: argparse.Namespace) -> list[str]:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or methods[0] != "plain" or not set(methods) <= {"plain", "ngram", "draft"}:
+        raise SystemExit("--methods: 'plain' first, then any of ngram, draft")
+    if "draft" in methods and not args.draft_model:
+        raise SystemExit("--methods draft needs --draft-model DIR")
+    return methods
+
+
+def _specs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    k = args.num_speculative_tokens
+    return {
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": args.prompt_lookup_max,
+            "prompt_lookup_min": args.prompt_lookup_min,
+        },
+        "draft": {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k},
+    }
 
 
 def _summarise(batch: int, runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    spec = runs["ngram"]
-    drafts = sum(r["drafts"] for r in spec)
-    proposed = sum(r["draft_tokens"] for r in spec)
-    accepted = sum(r["accepted"] for r in spec)
-    return {
+    row: dict[str, Any] = {
         "batch": batch,
         "tpot_plain_ms": med["plain"]["tpot_ms"],
-        "tpot_ngram_ms": med["ngram"]["tpot_ms"],
-        "tpot_speedup": med["plain"]["tpot_ms"] / med["ngram"]["tpot_ms"],
         "tok_s_plain": med["plain"]["tok_s"],
-        "tok_s_ngram": med["ngram"]["tok_s"],
-        "acceptance_rate": accepted / proposed if proposed else 0.0,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
-        "draft_tokens": proposed,
         "runs": runs,
     }
+    for name, spec in runs.items():
+        if name == "plain":
+            continue
+        drafts = sum(r["drafts"] for r in spec)
+        proposed = sum(r["draft_tokens"] for r in spec)
+        accepted = sum(r["accepted"] for r in spec)
+        row[f"tpot_{name}_ms"] = med[name]["tpot_ms"]
+        row[f"tpot_speedup_{name}"] = med["plain"]["tpot_ms"] / med[name]["tpot_ms"]
+        row[f"tok_s_{name}"] = med[name]["tok_s"]
+        row[f"acceptance_rate_{name}"] = accepted / proposed if proposed else 0.0
+        row[f"mean_acceptance_length_{name}"] = 1 + accepted / drafts if drafts else 0.0
+        row[f"draft_tokens_{name}"] = proposed
+    return row

@@ -5,9 +5,11 @@ the target's (a block id names the same positions in both pools; only the bytes 
 differ), so block tables, prefix-cache hits and preemption need nothing of their own:
 
 1. **catch-up**: one forward over every scheduled request's tokens that are now known to be
-   right, from the step's first position (the bonus token the target just sampled included).
-   Its KV then covers every position the target has computed, which is what keeps a
-   prefix-cache hit or a recomputation after preemption valid for the draft as well;
+   right and whose draft KV is not (the bonus token the target just sampled included). Its KV
+   then covers every position the target has computed, which is what keeps a prefix-cache hit
+   or a recomputation after preemption valid for the draft as well. The draft's own guesses
+   that the target accepted were written with the right tokens already, so a decoding
+   request's catch-up is usually one token (two when every draft was accepted);
 2. **proposals**: for the requests the scheduler asked for (``SchedulerOutput.draft_ids``),
    the argmax at the last catch-up row is the first draft token, and k - 1 one-token steps
    give the rest (greedy drafts: a point mass, which the verifier accepts with the target's
@@ -57,10 +59,15 @@ class DraftRunner:
         self.runner = ModelRunner(
             model, ops, num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_tokens
         )
+        self.done: dict[str, int] = {}  # positions below this have the right draft KV
+        self.fed: dict[str, tuple[int, list[int]]] = {}  # guesses fed from a position (proposals)
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, states: dict[str, SamplingState], result: RunnerOutput) -> None:
         """Catch the draft's KV up with this step and fill ``result.draft_token_ids``."""
+        for rid in (*sched.finished_request_ids, *sched.preempted_request_ids):
+            self.done.pop(rid, None)  # preempted: recomputed from its new start, blocks and all
+            self.fed.pop(rid, None)
         rows: list[ScheduledRequest] = []
         for s in sched.scheduled:
             state = states.get(s.request_id)
@@ -86,21 +93,41 @@ class DraftRunner:
             for rid, token in self._forward(step).items():
                 drafts[rid].append(token)
         result.draft_token_ids.update(drafts)
+        self.fed.update((rid, (ends[rid], d[:-1])) for rid, d in drafts.items())  # all but the last fed
 
     def _catch_up_row(
         self, s: ScheduledRequest, state: SamplingState, propose: bool
     ) -> ScheduledRequest | None:
-        """The request's known-right tokens from the step's first position; ``sample`` marks
-        the rows whose last token starts a proposal."""
+        """The request's known-right tokens the draft has no KV for; ``sample`` marks the rows
+        whose last token starts a proposal."""
         tokens = state.prompt_token_ids + state.output_token_ids
         sampled = s.sample and len(tokens) > s.start_pos + len(s.token_ids) - s.num_spec
         # a prompt chunk: its own tokens; a row that sampled: up to and with the new token
         end = len(tokens) if sampled else s.start_pos + len(s.token_ids)
         end = min(end, len(s.block_ids) * self.block_size, self.max_model_len)
-        if end <= s.start_pos:
+        begin = self._begin(s, tokens)
+        propose = propose and sampled
+        if propose:
+            begin = min(begin, end - 1)  # the last row's logits give the first draft
+        if end <= begin:
             return None
-        ids = tokens[s.start_pos : end]
-        return ScheduledRequest(s.request_id, ids, s.start_pos, s.block_ids, propose and sampled)
+        self.done[s.request_id] = end
+        return ScheduledRequest(s.request_id, tokens[begin:end], begin, s.block_ids, propose)
+
+    def _begin(self, s: ScheduledRequest, tokens: list[int]) -> int:
+        """The first position whose draft KV is missing: the step's first position for a request
+        seen first (its earlier positions are prefix-cache hits, computed with draft KV too),
+        else past the guesses the target accepted."""
+        done = self.done.get(s.request_id)
+        if done is None:
+            return s.start_pos
+        start, guesses = self.fed.pop(s.request_id, (done, []))
+        if start == done:
+            for token in guesses:
+                if done >= len(tokens) or tokens[done] != token:
+                    break
+                done += 1
+        return done
 
     def _room(self, position: int, block_ids: list[int]) -> bool:
         return position < min(len(block_ids) * self.block_size, self.max_model_len)
@@ -110,8 +137,10 @@ class DraftRunner:
         hidden, batch = self.runner.forward(rows)
         if not batch.sample_rows:
             return {}
-        index = torch.tensor([r for r, _ in batch.sample_rows], device=hidden.device)
-        tokens = self.runner.model.compute_logits(hidden.index_select(0, index)).argmax(dim=-1).tolist()
+        picked = [r for r, _ in batch.sample_rows]
+        if len(picked) < hidden.shape[0]:  # (a step of one-token rows that all sample: every row)
+            hidden = hidden.index_select(0, torch.tensor(picked, device=hidden.device))
+        tokens = self.runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
         return {rid: token for (_, rid), token in zip(batch.sample_rows, tokens, strict=True)}
 
 
