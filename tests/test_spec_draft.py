@@ -26,7 +26,7 @@ PROMPTS: list[Any] = [
 ]
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
-    "chunked": {"max_num_batched_tokens": 24},
+    "chunked": {"max_num_batched_tokens": 24, "max_num_seqs": 4},  # draft backlogs split too
     "preemption": {"num_kv_blocks": 12, "max_num_batched_tokens": 32},
     "no_prefix_cache": {"enable_prefix_caching": False},
     "priority": {"scheduling_policy": "priority"},
@@ -65,7 +65,7 @@ def _check(model: Path, draft: Path, engine: dict[str, Any], min_acceptance: flo
     return llm
 
 
-@pytest.mark.parametrize("setting", ["default", "preemption"])
+@pytest.mark.parametrize("setting", ["default", "chunked", "preemption"])
 @pytest.mark.parametrize("name", ["llama3", "llama_tied_sharded", "qwen2", "mistral"])
 def test_target_as_its_own_draft_is_exact_and_accepted(
     model_dirs: dict[str, Path], name: str, setting: str

@@ -44,6 +44,8 @@ class DraftProposer(NgramProposer):
 
     def propose(self, request: Request, limit: int) -> list[int]:
         drafts = self._received.pop(request.request_id, [])
+        if self._index(request.request_id).cooldown:
+            return []  # asked for before the last miss came back: not worth verifying
         return drafts[: max(limit, 0)]
 
     def forget(self, request_id: str) -> None:

@@ -1,21 +1,22 @@
 """DraftRunner: a small draft model that proposes tokens for speculative decoding.
 
-It runs after every target step, on its own KV cache laid out over the *same* block ids as
-the target's (a block id names the same positions in both pools; only the bytes per block
-differ), so block tables, prefix-cache hits and preemption need nothing of their own:
+It runs after a target step for the requests the scheduler wants proposals for
+(``SchedulerOutput.draft_ids``), on its own KV cache laid out over the *same* block ids as the
+target's (a block id names the same positions in both pools; only the bytes per block differ):
 
-1. **catch-up**: one forward over every scheduled request's tokens that are now known to be
-   right and whose draft KV is not (the bonus token the target just sampled included). Its KV
-   then covers every position the target has computed, which is what keeps a prefix-cache hit
-   or a recomputation after preemption valid for the draft as well. The draft's own guesses
-   that the target accepted were written with the right tokens already, so a decoding
-   request's catch-up is usually one token (two when every draft was accepted);
-2. **proposals**: for the requests the scheduler asked for (``SchedulerOutput.draft_ids``),
-   the argmax at the last catch-up row is the first draft token, and k - 1 one-token steps
-   give the rest (greedy drafts: a point mass, which the verifier accepts with the target's
-   probability, so outputs stay exact whatever the draft proposes).
+1. **catch-up**: a forward over the request's known-right tokens that have no draft KV yet (the
+   bonus token the target just sampled included). The runner remembers how far each request's
+   draft KV is right (``done``); the draft's own guesses that the target accepted were written
+   with the right tokens already, so a request that proposes every step catches up one token
+   (two when every guess was accepted). A request seen for the first time, or preempted,
+   catches up from position 0: requests that do not propose (back-off after misses, or never)
+   cost the draft nothing, so blocks shared through the prefix cache may lack draft KV. A long
+   backlog is split into forwards that fit the runner's buffers;
+2. **proposals**: the argmax at the last catch-up row is the first draft token, and k - 1
+   one-token steps give the rest (greedy drafts: a point mass, which the verifier accepts
+   with the target's probability, so outputs stay exact whatever the draft proposes).
 
-Draft KV written past the accepted tokens is rewritten by the next catch-up. Proposals stop
+Draft KV written past the accepted tokens is rewritten by a later catch-up. Proposals stop
 at the request's allocated blocks (the scheduler's lookahead slots, core/draft.py) and at the
 context length: the draft never writes into a block that is not the request's.
 """
@@ -71,14 +72,14 @@ class DraftRunner:
         rows: list[ScheduledRequest] = []
         for s in sched.scheduled:
             state = states.get(s.request_id)
-            if state is None:
+            if state is None or s.request_id not in sched.draft_ids:
                 continue
-            row = self._catch_up_row(s, state, s.request_id in sched.draft_ids)
+            row = self._catch_up_row(s, state)
             if row is not None:
                 rows.append(row)
         if not rows:
             return
-        last = self._forward(rows)  # argmax at the last row of each proposing request
+        last = self._catch_up(rows)  # argmax at the last row of each proposing request
         drafts = {rid: [token] for rid, token in last.items()}
         ends = {r.request_id: r.start_pos + len(r.token_ids) for r in rows if r.sample}
         tables = {r.request_id: r.block_ids for r in rows if r.sample}
@@ -95,33 +96,51 @@ class DraftRunner:
         result.draft_token_ids.update(drafts)
         self.fed.update((rid, (ends[rid], d[:-1])) for rid, d in drafts.items())  # all but the last fed
 
-    def _catch_up_row(
-        self, s: ScheduledRequest, state: SamplingState, propose: bool
-    ) -> ScheduledRequest | None:
-        """The request's known-right tokens the draft has no KV for; ``sample`` marks the rows
-        whose last token starts a proposal."""
+    def _catch_up_row(self, s: ScheduledRequest, state: SamplingState) -> ScheduledRequest | None:
+        """A proposing request's known-right tokens that have no draft KV (with the token the
+        step sampled, whose logits give the first draft); None when it sampled nothing."""
         tokens = state.prompt_token_ids + state.output_token_ids
-        sampled = s.sample and len(tokens) > s.start_pos + len(s.token_ids) - s.num_spec
-        # a prompt chunk: its own tokens; a row that sampled: up to and with the new token
-        end = len(tokens) if sampled else s.start_pos + len(s.token_ids)
-        end = min(end, len(s.block_ids) * self.block_size, self.max_model_len)
-        begin = self._begin(s, tokens)
-        propose = propose and sampled
-        if propose:
-            begin = min(begin, end - 1)  # the last row's logits give the first draft
-        if end <= begin:
+        if not (s.sample and len(tokens) > s.start_pos + len(s.token_ids) - s.num_spec):
             return None
+        end = min(len(tokens), len(s.block_ids) * self.block_size, self.max_model_len)
+        begin = min(self._begin(s.request_id, tokens), end - 1)
         self.done[s.request_id] = end
-        return ScheduledRequest(s.request_id, tokens[begin:end], begin, s.block_ids, propose)
+        return ScheduledRequest(s.request_id, tokens[begin:end], begin, s.block_ids, True)
 
-    def _begin(self, s: ScheduledRequest, tokens: list[int]) -> int:
-        """The first position whose draft KV is missing: the step's first position for a request
-        seen first (its earlier positions are prefix-cache hits, computed with draft KV too),
-        else past the guesses the target accepted."""
-        done = self.done.get(s.request_id)
+    def _catch_up(self, rows: list[ScheduledRequest]) -> dict[str, int]:
+        """Forward the catch-up rows in pieces that fit the buffers (a long backlog is split;
+        its head pieces sample nothing); the first draft token of each row."""
+        limit = self.runner.max_tokens
+        first: dict[str, int] = {}
+        while rows:
+            batch: list[ScheduledRequest] = []
+            rest: list[ScheduledRequest] = []
+            room = limit
+            for r in rows:
+                n = len(r.token_ids)
+                if n <= room:
+                    batch.append(r)
+                    room -= n
+                elif room > 0:  # the head now, the tail in a later forward
+                    batch.append(
+                        ScheduledRequest(r.request_id, r.token_ids[:room], r.start_pos, r.block_ids, False)
+                    )
+                    tail = r.token_ids[room:]
+                    rest.append(ScheduledRequest(r.request_id, tail, r.start_pos + room, r.block_ids, True))
+                    room = 0
+                else:
+                    rest.append(r)
+            first.update(self._forward(batch))
+            rows = rest
+        return first
+
+    def _begin(self, request_id: str, tokens: list[int]) -> int:
+        """The first position whose draft KV is missing: 0 for a request seen first, else past
+        the guesses the target accepted."""
+        done = self.done.get(request_id)
         if done is None:
-            return s.start_pos
-        start, guesses = self.fed.pop(s.request_id, (done, []))
+            return 0
+        start, guesses = self.fed.pop(request_id, (done, []))
         if start == done:
             for token in guesses:
                 if done >= len(tokens) or tokens[done] != token:

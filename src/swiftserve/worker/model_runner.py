@@ -72,7 +72,7 @@ class ModelRunner:
         # Persistent inputs: numpy views of (pinned, on CUDA) host staging buffers that each step
         # refills, copied to persistent device buffers (the same tensors on the CPU). A step
         # ends with the sampled tokens on the host, so the next refill never races a copy.
-        n = max_num_batched_tokens
+        self.max_tokens = n = max_num_batched_tokens
         staging = torch.zeros(3, n, dtype=torch.int64, pin_memory=self.cuda)
         self._staging = staging
         self._ids, self._pos, self._slots = staging.numpy()
