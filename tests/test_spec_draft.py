@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import httpx
+import openai
 import pytest
 
-from server_utils import running_server
+from server_utils import greedy_texts_match_offline, running_server
 from swiftserve import LLM, SamplingParams
 from swiftserve.tools.demo import write_random_checkpoint
 
@@ -161,21 +161,13 @@ def test_drafts_that_cannot_propose_are_clear_errors(llama_dir: Path, tmp_path: 
             LLM(model=str(llama_dir), speculative_config=bad, max_model_len=128)
 
 
-def test_server_with_a_draft_model(llama_dir: Path, random_draft: Path, tmp_path: Path) -> None:
+def test_server_with_a_draft_model(llama_dir: Path, tmp_path: Path) -> None:
+    """Through the openai client: greedy text equals the offline engine's; counters in /metrics."""
     args = ("--max-model-len", "256", "--speculative-config", json.dumps(spec(llama_dir)))
-    offline = LLM(model=str(llama_dir), max_model_len=256).generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
+    prompts = ["def main():\n    return", "import os\nimport sys\n\nclass"]
     with running_server(llama_dir, *args, log_dir=tmp_path) as server:
-        r = httpx.post(
-            f"{server.url}/v1/completions",
-            json={
-                "prompt": PROMPTS[1]["prompt_token_ids"],
-                "max_tokens": 40,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            timeout=60,
-        )
-        assert r.status_code == 200
-        assert r.json()["choices"][0]["text"] == offline[0].outputs[0].text
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        greedy_texts_match_offline(llama_dir, client, prompts)
         metrics = server.metrics()
+        assert metrics["swiftserve:spec_decode_num_draft_tokens"] > 0
         assert metrics["swiftserve:spec_decode_num_accepted_tokens"] > 0
