@@ -15,11 +15,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from server_utils import Server, greedy_texts_match_offline, running_server
+from server_utils import Server, greedy_texts_match_offline, leave_stream_early, running_server
 from swiftserve import LLM, SamplingParams
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
@@ -217,11 +216,7 @@ def test_server_with_async_scheduling_matches_the_offline_engine(llama_dir: Path
 
 
 def test_abort_mid_stream_frees_the_kv_blocks(server: Server) -> None:
-    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
-        for i, _ in enumerate(response.iter_lines()):
-            if i >= 3:
-                break  # leave mid-stream: the server aborts the request
+    leave_stream_early(server)
     metrics: dict[str, float] = {}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -11,11 +11,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from server_utils import Server, greedy_texts_match_offline, running_server
+from server_utils import Server, greedy_texts_match_offline, leave_stream_early, running_server
 from swiftserve import LLM
 from swiftserve.config import EngineConfig
 from swiftserve.engine.placement import numa_order, parse_cpulist, replica_cores
@@ -52,11 +51,7 @@ def test_same_greedy_tokens_as_one_engine_and_both_replicas_work(
 
 
 def test_abort_reaches_the_owning_replica(server: Server) -> None:
-    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
-        for i, _ in enumerate(response.iter_lines()):
-            if i >= 3:
-                break  # leave mid-stream: the server aborts the request
+    leave_stream_early(server)
     running = [1.0, 1.0]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
