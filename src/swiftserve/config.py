@@ -18,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 TOKENIZER_MODES = ("auto", "hf")
 DP_BACKENDS = ("mp", "ray")
+PP_BACKENDS = ("mp", "ray")
 KV_CACHE_DTYPES = ("auto", "int8")
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 MAX_SPECULATIVE_TOKENS = 16
@@ -125,7 +126,12 @@ class EngineConfig:
     ``data_parallel_size`` (server): that many engine processes behind one API server, each
     pinned to its share of ``cpu_affinity`` (default: the cores this process may use, split
     evenly, NUMA node by node) with one torch thread per core (engine/dp_client.py).
-    Tensor and pipeline parallelism are refused with a clear error (not built yet).
+    ``pipeline_parallel_size`` P > 1: the layers split into P stages, one worker process each
+    (``distributed_executor_backend`` "mp", or "ray" actors), hidden states passed stage to
+    stage over torch.distributed (worker/pipeline.py); the engine keeps up to P micro-batches
+    in flight. Stages may span ``nnodes`` machines: node 0 runs the engine, the others run
+    ``swiftserve serve --node-rank k`` (headless), all reaching ``master_addr``:``master_port``
+    within ``distributed_timeout_s``. Tensor parallelism is refused with a clear error.
     ``kv_cache_dtype`` (vLLM's name): "auto" (the model's dtype) or "int8" (CPU: rows of int8
     values with a float32 scale each, model/kv_quant.py; fp8 is the GPU's name, refused here).
     ``async_scheduling`` (vLLM's name): schedule step N+1 while step N runs on a step thread
@@ -171,6 +177,12 @@ class EngineConfig:
     cpu_affinity: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one machine only)
+    distributed_timeout_s: float = 60.0
     async_scheduling: bool = False
     busy_poll: bool = False
     kv_cache_dtype: str = "auto"
@@ -246,6 +258,47 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False"
             )
 
+    def _check_pipeline(self, own: str) -> None:
+        """Pipeline-parallel options (flags named as on the command line)."""
+        pp = self.pipeline_parallel_size
+        _positive_int(own, "pipeline_parallel_size (--pipeline-parallel-size)", pp, 1)
+        _positive_int(own, "nnodes (--nnodes)", self.nnodes, 1)
+        _positive_int(own, "node_rank (--node-rank)", self.node_rank, 0)
+        _positive_int(own, "master_port (--master-port)", self.master_port, 0)
+        check_range(own, "distributed_timeout_s", self.distributed_timeout_s, 0.0, low_open=True)
+        if self.distributed_executor_backend not in PP_BACKENDS:
+            raise ValueError(
+                f"{own}.distributed_executor_backend (--distributed-executor-backend) must be one "
+                f"of {PP_BACKENDS}, got {self.distributed_executor_backend!r}"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"{own}.node_rank (--node-rank) must be < nnodes ({self.nnodes}), got {self.node_rank}"
+            )
+        if pp % self.nnodes:
+            raise ValueError(
+                f"{own}.pipeline_parallel_size ({pp}) must be a multiple of nnodes (--nnodes {self.nnodes}): "
+                "each machine runs the same number of stages"
+            )
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError(f"{own}.master_port (--master-port): several machines need a fixed port")
+        if pp == 1:
+            return
+        if self.distributed_executor_backend == "ray" and not _ray_installed():
+            raise ValueError(
+                f"{own}.distributed_executor_backend='ray' (--distributed-executor-backend) needs Ray: "
+                "pip install 'swiftserve[ray]'"
+            )
+        if self.data_parallel_size > 1:
+            raise ValueError(
+                f"{own}: pipeline_parallel_size > 1 does not combine with data_parallel_size > 1 yet"
+            )
+        if self.speculative_config is not None or self.async_scheduling:
+            raise ValueError(
+                f"{own}: pipeline_parallel_size > 1 does not combine with speculative_config or "
+                "async_scheduling (the pipeline already overlaps steps)"
+            )
+
     def _check_parallel(self, own: str) -> None:
         _positive_int(own, "data_parallel_size", self.data_parallel_size, 1)
         if self.data_parallel_backend not in DP_BACKENDS:
@@ -260,10 +313,15 @@ class EngineConfig:
                 f"{own}.tensor_parallel_size: tensor parallelism is not supported "
                 "(use data parallel replicas)"
             )
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"{own}.pipeline_parallel_size: pipeline parallelism is not supported yet")
+        self._check_pipeline(own)
         for core in self.cpu_affinity or ():
             _positive_int(own, "cpu_affinity", core, 0)
+
+
+def _ray_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
 
 
 def _positive_int(owner: str, name: str, value: object, low: int) -> None:

@@ -66,6 +66,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         proposer: NgramProposer | None = None,
         async_scheduling: bool = False,
+        pipeline_depth: int = 1,
     ) -> None:
         self.clock = clock  # injectable: the SLO tests run the scheduler on a simulated clock
         self.bm = block_manager
@@ -99,7 +100,13 @@ class Scheduler:
         # Async scheduling: the next step is scheduled while this one runs (engine/core.py), so
         # tokens not back yet are placeholders; a preempted request's runner state is rebuilt.
         self.async_mode = async_scheduling
-        self._batches: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests
+        # id(SchedulerOutput) -> its requests, with their preemption counts when scheduled
+        self._batches: dict[int, list[tuple[Request, int]]] = {}
+        # Pipeline parallel: up to pipeline_depth steps in flight (engine/core.py); a request
+        # whose sampled token is not back yet sits steps out, and each step takes about
+        # 1/depth of the requests, so the micro-batches keep every stage busy.
+        self.pipeline_depth = pipeline_depth
+        self._row_cap = 1 << 30  # requests per step (pipeline parallel only)
 
     # ---- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -162,7 +169,9 @@ class Scheduler:
         self.bm.free(victim)
         victim.num_computed_tokens = 0
         victim.num_placeholders = 0
-        if self.async_mode:  # the runner may hold a token the scheduler will never see
+        if (
+            self.async_mode or self.pipeline_depth > 1
+        ):  # the runner may hold a token the scheduler will never see
             self._finished_ids.add(victim.request_id)
             self._new_ids.add(victim.request_id)
         victim.set_status(RequestStatus.PREEMPTED)
@@ -177,6 +186,9 @@ class Scheduler:
         for request in self.deadlines.due(now, self.running, self.waiting):
             self.finish_requests([request.request_id], RequestStatus.FINISHED_DEADLINE)
         budget = self._step_budget = self._plan_budget(now)
+        if self.pipeline_depth > 1:
+            active = len(self.running) + len(self.waiting)
+            self._row_cap = max(1, -(-active // self.pipeline_depth))
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
         self.running.sort(key=self._key)
@@ -190,9 +202,11 @@ class Scheduler:
         speculate = pays or self.lookahead > 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_pending <= 0 or self._at_limit(request):
+            if request.num_pending <= 0 or self._at_limit(request) or self._in_pipeline(request):
                 index += 1  # its last token is in flight; it finishes when that is back
                 continue
+            if len(scheduled) >= self._row_cap:
+                break
             num_new = self._chunk(request.num_computed_tokens, request.num_pending, budget)
             drafts = self._propose(request, budget) if num_new == 1 and speculate else []
             if drafts and self._allocate(request, 1 + len(drafts)):
@@ -217,7 +231,7 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: dict[str, int], budget: int, preempted: list[str]) -> int:
         now = self.clock()
-        while len(self.waiting) and budget > 0:
+        while len(self.waiting) and budget > 0 and len(scheduled) < self._row_cap:
             request = self.waiting.peek()
             if len(self.running) >= self.max_num_seqs:
                 if not self._preempt_for(request, scheduled, preempted):
@@ -253,6 +267,14 @@ class Scheduler:
         if self.lookahead and self.bm.allocate_slots(request, num_new + self.lookahead, computed):
             return True
         return self.bm.allocate_slots(request, num_new, computed)
+
+    def _in_pipeline(self, request: Request) -> bool:
+        """Pipeline parallel: a sampled token still in flight (the first stage needs it)."""
+        return self.pipeline_depth > 1 and request.num_placeholders > 0
+
+    def discard(self, sched: SchedulerOutput) -> None:
+        """Forget a step that will not run (an empty micro-batch the engine drops)."""
+        self._batches.pop(id(sched), None)
 
     def _at_limit(self, request: Request) -> bool:
         """A placeholder in flight already reaches max_tokens or the context length."""
@@ -298,7 +320,7 @@ class Scheduler:
     def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
         items: list[ScheduledRequest] = []
         new: list[NewRequestData] = []
-        batch: list[Request] = []
+        batch: list[tuple[Request, int]] = []
         draft_ids: set[str] = set()
         for request in self.running:
             num_new = scheduled.get(request.request_id)
@@ -335,7 +357,7 @@ class Scheduler:
             # counted as computed now (the next schedule may come before this step's result)
             request.num_computed_tokens = end + len(drafts)
             request.num_placeholders += sample
-            batch.append(request)
+            batch.append((request, request.num_preemptions))
             if sample and self.proposer is not None and self.proposer.wants(request) and self._want_drafts:
                 draft_ids.add(request.request_id)
         finished = frozenset(self._finished_ids)
@@ -343,7 +365,7 @@ class Scheduler:
         out = SchedulerOutput(
             items, new, finished, sum(scheduled.values()), tuple(preempted), frozenset(draft_ids)
         )
-        while len(self._batches) >= 4:  # a step that never came back (an engine fault)
+        while len(self._batches) >= self.pipeline_depth + 3:  # a step that never came back (an engine fault)
             del self._batches[next(iter(self._batches))]
         self._batches[id(out)] = batch
         return out
@@ -358,8 +380,8 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted in between
-            if batch is not None and batch[i] is not request:
-                continue  # a finished request's id, reused while its last step was in flight
+            if batch is not None and (batch[i][0] is not request or batch[i][1] != request.num_preemptions):
+                continue  # a finished request's id reused, or preempted, while the step was in flight
             tokens, logprobs = sampled_tokens(item, result)
             # drafts the verifier rejected leave no computed tokens behind (their KV slots
             # are simply overwritten later)

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
@@ -31,12 +31,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def make_executor(config: EngineConfig, model_dir: str | Path, progress: bool) -> Executor:
+    """One worker in this process, or pipeline stages in their own processes."""
+    if config.pipeline_parallel_size > 1:
+        from swiftserve.worker.pipeline import PipelineExecutor
+
+        return PipelineExecutor(config, model_dir, progress=progress)
+    return UniProcExecutor(config, model_dir, progress=progress)
+
+
 class EngineCore:
     """Scheduler + an executor (the workers that own the model), stepped by the caller."""
 
     def __init__(self, config: EngineConfig, model_dir: str | Path, *, progress: bool = True):
         self.config = config
-        self.executor: Executor = UniProcExecutor(config, model_dir, progress=progress)
+        self.executor: Executor = make_executor(config, model_dir, progress)
+        self.depth = config.pipeline_parallel_size  # micro-batches in flight (pipeline parallel)
         self.model_info = self.executor.model_info
         self.max_model_len = self.model_info.max_model_len
         blocks = self.executor.determine_num_kv_blocks()
@@ -69,8 +79,11 @@ class EngineCore:
             ),
             proposer=proposer,
             async_scheduling=config.async_scheduling,
+            pipeline_depth=self.depth,
         )
         self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
+        self._queue: deque[tuple[SchedulerOutput, Any, float]] = deque()  # pipeline micro-batches
+        self.max_in_flight = 0  # the most micro-batches seen in flight at once
         self.wakeups_us: deque[float] = deque(maxlen=2048)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         # Everything allocated so far lives as long as the engine: keep the cyclic GC from
@@ -113,6 +126,8 @@ class EngineCore:
         """One forward pass over the scheduled tokens; returns what changed."""
         if self.config.async_scheduling:
             return self._step_overlapped()
+        if self.depth > 1:
+            return self._step_pipelined()
         sched = self.scheduler.schedule()
         predicted = self._predict(sched) if self.step_log is not None else 0.0
         start = time.perf_counter()
@@ -140,6 +155,29 @@ class EngineCore:
         self.wakeups_us.append(done.wakeup_s * 1e6)
         return self._apply(sched, done.output, done.seconds, predicted)
 
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Fill the pipeline up to ``depth`` micro-batches, then apply the oldest's result.
+
+        Requests whose sampled token is still in flight sit a micro-batch out (the scheduler
+        sees to that), so a micro-batch can come back empty: it is dropped unless it carries
+        finished requests the stages must forget.
+        """
+        while len(self._queue) < self.depth and self.scheduler.has_unfinished():
+            sched = self.scheduler.schedule()
+            if sched.is_empty and not sched.finished_request_ids:
+                self.scheduler.discard(sched)
+                break
+            predicted = self._predict(sched) if self.step_log is not None else 0.0
+            self._queue.append((sched, self.executor.submit_model(sched), predicted))
+            self.max_in_flight = max(self.max_in_flight, sum(not s.is_empty for s, _, _ in self._queue))
+            if sched.is_empty:
+                break
+        if not self._queue:
+            return []
+        sched, handle, predicted = self._queue.popleft()
+        done = handle.result()
+        return self._apply(sched, done.output, done.seconds, predicted)
+
     def _apply(
         self, sched: SchedulerOutput, result: RunnerOutput, seconds: float, predicted: float
     ) -> list[EngineCoreOutput]:
@@ -164,7 +202,7 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """Requests left to step, or a step still in flight whose result is not applied."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._queue)
 
     def shutdown(self) -> None:
         """Stop the executor's workers (and the step thread)."""

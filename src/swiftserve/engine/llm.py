@@ -61,6 +61,10 @@ class LLM:
         """The engine core (scheduler, block manager, runner) this LLM steps."""
         return self.loop.core
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers (pipeline stages are processes of their own)."""
+        self.loop.core.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

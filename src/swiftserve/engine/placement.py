@@ -37,13 +37,17 @@ def numa_order(cores: list[int], root: Path = NODE_ROOT) -> list[int]:
     return sorted(cores, key=lambda c: (node_of.get(c, 0), c))
 
 
-def replica_cores(replicas: int, cores: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
-    """One share of cores per replica; ValueError when there are fewer cores than replicas."""
+def replica_cores(
+    replicas: int, cores: tuple[int, ...] | None = None, what: str = "data_parallel_size"
+) -> list[tuple[int, ...]]:
+    """One share of cores per replica (or pipeline stage: ``what`` names the option);
+    ValueError when there are fewer cores than replicas."""
     available = list(cores) if cores else sorted(os.sched_getaffinity(0))
     if len(available) < replicas:
         raise ValueError(
-            f"data_parallel_size={replicas} needs at least one core per replica, but only "
-            f"{len(available)} are available ({available}); set --cpu-affinity or lower it"
+            f"{what}={replicas} needs at least one core per process, but only "
+            f"{len(available)} are available ({available}); set --cpu-affinity or --num-threads, "
+            "or lower it"
         )
     ordered = numa_order(available) if not cores else available
     share, extra = divmod(len(ordered), replicas)

@@ -159,6 +159,31 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(h, residual, meta.ops)[0]
 
     @torch.inference_mode()
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        carried: tuple[torch.Tensor, torch.Tensor] | None,
+        last: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pipeline stage: this model's layers only (worker/pipeline.py keeps a stage's
+        range in ``model.layers``). ``carried``: the previous stage's (output, residual), None
+        on the first stage, which embeds ``input_ids``. Returns (output, residual) for the next
+        stage, or (final-normed hidden states, None) when ``last``. The same calls in the same
+        order as ``forward``'s layer loop: a split model computes the same bits."""
+        assert self.rotary is not None, "call init_rotary() first"
+        h, residual = carried if carried is not None else (self.model.embed_tokens(input_ids), None)
+        rope = self.rotary.tables(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        assert residual is not None, "a stage has at least one layer"
+        if last:
+            return self.model.norm.add_forward(h, residual, meta.ops)[0], None
+        return h, residual
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits for the selected rows only."""
         return self.lm_head(hidden).float()

@@ -68,7 +68,8 @@ class ModelRunner:
             row_width(cfg.head_dim, kv_dtype),
         )  # see attention.py
         # all zeros (padded gathers read unused slots), without a zero-fill pass on the CPU
-        self.kv_caches = allocate_kv_caches(cfg.num_layers, shape, kv_dtype, device)
+        # a pipeline stage holds only its own layers (worker/pipeline_stage.py)
+        self.kv_caches = allocate_kv_caches(len(model.model.layers), shape, kv_dtype, device)
         # Persistent inputs: numpy views of (pinned, on CUDA) host staging buffers that each step
         # refills, copied to persistent device buffers (the same tensors on the CPU). A step
         # ends with the sampled tokens on the host, so the next refill never races a copy.

@@ -26,6 +26,7 @@ from swiftserve.model.quant_linear import quantize_model, weight_bytes
 from swiftserve.worker.draft_runner import DraftRunner, check_draft
 from swiftserve.worker.guided import GuidedDecoding
 from swiftserve.worker.model_runner import ModelRunner
+from swiftserve.worker.pipeline_stage import StageLink, StageRunner, keep_stage_layers
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,15 @@ def profile_peak_memory(model: Any, ops: Any, num_tokens: int, block_size: int) 
 class Worker:
     """One model on one device; ``execute_model`` runs one scheduled step."""
 
-    def __init__(self, config: EngineConfig, model_dir: str | Path, *, progress: bool = True):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str | Path,
+        *,
+        progress: bool = True,
+        stage: tuple[int, int] | None = None,
+    ):
+        """``stage``: (rank, world) of a pipeline stage: keep only that stage's layers."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -152,6 +161,9 @@ class Worker:
             model = load_model(
                 model_dir, config.dtype, self.max_model_len, progress, self.device, config.load_format
             )
+        self.stage = stage
+        if stage is not None:
+            self.layer_range = keep_stage_layers(model, *stage)
         with timeline.phase("quantize and pack"):
             if config.quantization:
                 count = quantize_model(
@@ -163,7 +175,8 @@ class Worker:
                 )
                 logger.info("quantized %d linear layers to %s", count, config.quantization)
             logger.info("prepacked %d linear layers", self.ops.pack_linears(model))  # what is left in bf16
-            model.stack = self.ops.stack_weights(model)
+            # (the C++ stack runs embeddings to final norm: a stage runs the layer loop)
+            model.stack = self.ops.stack_weights(model) if stage is None else None
         self.model = model
         self.runner: ModelRunner | None = None
         self.drafter: DraftRunner | None = None
@@ -242,18 +255,7 @@ class Worker:
         """Allocate the KV cache and the runner's persistent buffers."""
         timeline = startup.current()
         with timeline.phase("KV cache"):
-            self.runner = ModelRunner(
-                self.model,
-                self.ops,
-                num_blocks=num_blocks,
-                block_size=self.config.block_size,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                seed=self.config.seed,
-                guided=GuidedDecoding(
-                    self.model_dir, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
-                ),
-                kv_dtype=kv_cache_dtype(self.config, self.model.dtype),
-            )
+            self.runner = self._make_runner(num_blocks)
         if self.draft_model is not None:
             spec = self.config.speculative_config
             assert spec is not None
@@ -268,9 +270,27 @@ class Worker:
             )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
         # graphs need every attention row on the paged kernel (fixed shapes, no per-step mask)
-        if self.device.type == "cuda" and not self.config.enforce_eager and not self.ops.decode_mask:
+        graphs = self.stage is None and not self.config.enforce_eager and not self.ops.decode_mask
+        if self.device.type == "cuda" and graphs:
             with timeline.phase("CUDA graphs"):
                 self.runner.capture_graphs(graph_sizes(self.config), self.max_model_len)
+
+    def _make_runner(self, num_blocks: int) -> ModelRunner:
+        """The step runner: a StageRunner for a pipeline stage (only the last one samples,
+        so only it builds grammars)."""
+        last = self.stage is None or self.stage[0] == self.stage[1] - 1
+        mc = self.model_config
+        kwargs = dict(
+            num_blocks=num_blocks,
+            block_size=self.config.block_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            seed=self.config.seed,
+            guided=GuidedDecoding(self.model_dir, mc.vocab_size, tuple(mc.eos_token_ids)) if last else None,
+            kv_dtype=kv_cache_dtype(self.config, self.model.dtype),
+        )
+        if self.stage is None:
+            return ModelRunner(self.model, self.ops, **kwargs)  # type: ignore[arg-type]
+        return StageRunner(self.model, self.ops, StageLink(*self.stage), **kwargs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"

@@ -1,0 +1,403 @@
+"""Pipeline parallelism, the engine's side: P stage workers, each in its own process.
+
+The engine listens on a control address (``master_addr``, ``master_port`` + 1); every stage
+process (spawned here for this machine's ranks, or by ``swiftserve serve --node-rank k`` on
+another machine: ``run_headless``) connects to it, says its rank, and gets the engine's
+config. The stages then join one torch.distributed group (gloo on the CPU, NCCL on CUDA) at
+``master_addr``:``master_port``, over which only hidden states travel, stage to stage
+(worker/pipeline_stage.py). Control messages are msgspec Structs as bytes, never pickle.
+
+A step goes to every stage at once; each stage runs its steps in the order they came, so up
+to P micro-batches are in flight, one per stage, and the last stage's results come back in
+the same order (``PipeHandle``). A stage that dies (its process exits, or its connection
+closes) fails the engine with a message naming the stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from swiftserve.config import EngineConfig
+from swiftserve.core.messages import ModelInfo, RunnerOutput, SchedulerOutput
+from swiftserve.engine.placement import replica_cores
+from swiftserve.model.config import ModelConfig
+from swiftserve.worker.executor import Executor
+
+logger = logging.getLogger(__name__)
+# Shared by the engine and the stages it admits (multiprocessing's HMAC challenge); set
+# SWIFTSERVE_PP_AUTHKEY to the same secret on every machine of a real cluster.
+DEFAULT_AUTHKEY = b"swiftserve-pipeline"
+
+
+def authkey() -> bytes:
+    return os.environ.get("SWIFTSERVE_PP_AUTHKEY", "").encode() or DEFAULT_AUTHKEY
+
+
+# ---- control messages ------------------------------------------------------------------------
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    rank: int
+
+
+class StageInit(msgspec.Struct, frozen=True, tag="init"):
+    config: EngineConfig
+    model_dir: str
+    dist_port: int
+    cores: tuple[int, ...] | None  # pin to these (None: leave the affinity alone)
+    num_threads: int
+
+
+class Step(msgspec.Struct, frozen=True, tag="step"):
+    sched: SchedulerOutput
+
+
+class NumBlocks(msgspec.Struct, frozen=True, tag="blocks"):
+    pass
+
+
+class InitKV(msgspec.Struct, frozen=True, tag="init_kv"):
+    num_blocks: int
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+class StageReady(msgspec.Struct, frozen=True, tag="ready"):
+    info: ModelInfo
+    layers: tuple[int, int]
+
+
+class Value(msgspec.Struct, frozen=True, tag="value"):
+    value: int
+
+
+class Result(msgspec.Struct, frozen=True, tag="result"):
+    output: RunnerOutput
+
+
+class StageFailed(msgspec.Struct, frozen=True, tag="failed"):
+    message: str
+
+
+_to_stage = msgspec.msgpack.Decoder(StageInit | Step | NumBlocks | InitKV | Shutdown)  # type: ignore[arg-type]
+_from_stage = msgspec.msgpack.Decoder(StageReady | Value | Result | StageFailed)  # type: ignore[arg-type]
+_to_stage_hello = msgspec.msgpack.Decoder(Hello)
+encode = msgspec.msgpack.encode
+
+
+def stages_on_node(config: EngineConfig) -> range:
+    """The ranks machine ``node_rank`` runs (the same number on every machine)."""
+    per = config.pipeline_parallel_size // config.nnodes
+    return range(config.node_rank * per, (config.node_rank + 1) * per)
+
+
+def stage_placement(config: EngineConfig, ranks: range) -> list[tuple[tuple[int, ...] | None, int]]:
+    """(cores to pin to, torch threads) per local stage: a share of the cores each; with
+    ``num_threads`` and fewer cores than stages, unpinned (oversubscribed on purpose)."""
+    available = config.cpu_affinity or tuple(sorted(os.sched_getaffinity(0)))
+    if config.num_threads and len(available) < len(ranks):
+        return [(None, config.num_threads)] * len(ranks)
+    shares = replica_cores(len(ranks), config.cpu_affinity, "pipeline_parallel_size (stages on this machine)")
+    return [(share, config.num_threads or len(share)) for share in shares]
+
+
+# ---- the stage process -------------------------------------------------------------------------
+def _connect(address: tuple[str, int], timeout_s: float) -> Connection:
+    """Connect to the engine's control address, retrying until ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(address, authkey=authkey())
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"could not reach the engine at --master-addr {address[0]} (control port "
+                    f"{address[1]}) within {timeout_s:g} s: {e}"
+                ) from e
+            time.sleep(0.2)
+
+
+def stage_main(rank: int, address: tuple[str, int], timeout_s: float, log_level: int) -> None:
+    """Entry point of one stage process (also what a Ray actor runs)."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    conn = _connect(address, timeout_s)
+    conn.send_bytes(encode(Hello(rank)))
+    try:
+        init = _to_stage.decode(conn.recv_bytes())
+        assert isinstance(init, StageInit)
+        worker = _start_stage(rank, init, address[0])
+        conn.send_bytes(encode(StageReady(worker.model_info, worker.layer_range)))
+        _serve_stage(conn, worker)
+    except (EOFError, BrokenPipeError):
+        os._exit(0)  # the engine went away
+    except BaseException as e:
+        logger.exception("pipeline stage %d died", rank)
+        try:
+            conn.send_bytes(encode(StageFailed(f"stage {rank}: {e!r}")))
+        finally:
+            os._exit(1)
+
+
+def _start_stage(rank: int, init: StageInit, master_addr: str) -> Any:
+    if init.cores is not None:  # before torch sizes its thread pools
+        os.sched_setaffinity(0, set(init.cores))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from swiftserve.worker.worker import Worker
+
+    torch.set_num_threads(init.num_threads)
+    config = init.config
+    world = config.pipeline_parallel_size
+    backend = "nccl" if config.device != "cpu" and torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{init.dist_port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=config.distributed_timeout_s),
+    )
+    config = dataclasses.replace(config, num_threads=init.num_threads)
+    return Worker(config, init.model_dir, progress=False, stage=(rank, world))
+
+
+def _serve_stage(conn: Connection, worker: Any) -> None:
+    last = worker.stage[0] == worker.stage[1] - 1
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the engine went away (closed or reset): nothing left to do
+        message = _to_stage.decode(data)
+        if isinstance(message, Step):
+            output = worker.execute_model(message.sched)
+            if last:
+                conn.send_bytes(encode(Result(output)))
+        elif isinstance(message, NumBlocks):
+            conn.send_bytes(encode(Value(worker.determine_num_kv_blocks())))
+        elif isinstance(message, InitKV):
+            worker.initialize_kv_cache(message.num_blocks)
+            conn.send_bytes(encode(Value(0)))
+        elif isinstance(message, Shutdown):
+            if worker.runner is not None:
+                worker.runner.link.wait_sent()
+            return
+
+
+def start_stage(rank: int, address: tuple[str, int], timeout_s: float) -> subprocess.Popen[bytes]:
+    """A stage in a fresh interpreter (``python -m swiftserve.worker.pipeline``): not a
+    multiprocessing child, so a daemonic engine process may start it too."""
+    args = [
+        str(rank),
+        address[0],
+        str(address[1]),
+        str(timeout_s),
+        str(logging.getLogger().getEffectiveLevel()),
+    ]
+    return subprocess.Popen([sys.executable, "-m", "swiftserve.worker.pipeline", *args])
+
+
+def run_headless(config: EngineConfig) -> int:
+    """``swiftserve serve --node-rank k`` (k > 0): run this machine's stages, no engine, no
+    API; returns the exit code once they end."""
+    address = (config.master_addr, config.master_port + 1)
+    procs = [start_stage(rank, address, config.distributed_timeout_s) for rank in stages_on_node(config)]
+    return max(abs(p.wait()) for p in procs)
+
+
+# ---- the engine's side -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    """A finished step as EngineCore reads it (the StepResult shape)."""
+
+    output: RunnerOutput
+    seconds: float  # since the step was sent, or since the previous result if later
+    wakeup_s: float = 0.0
+
+
+class PipeHandle:
+    """A step sent down the pipeline; results come back in the order steps were sent."""
+
+    def __init__(self, executor: PipelineExecutor, sent: float):
+        self._executor = executor
+        self._sent = sent
+
+    def result(self) -> PipelineResult:
+        return self._executor._next_result(self._sent)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class PipelineExecutor(Executor):
+    """P pipeline stages in their own processes (this machine's spawned here)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str | Path, *, progress: bool = True):
+        self.config = config
+        self.depth = world = config.pipeline_parallel_size
+        num_layers = ModelConfig.from_dir(model_dir).num_layers
+        if world > num_layers:
+            raise ValueError(
+                f"EngineConfig.pipeline_parallel_size ({world}, --pipeline-parallel-size) is larger "
+                f"than the model's {num_layers} layers"
+            )
+        local = stages_on_node(config)
+        placement = stage_placement(config, local)
+        host = config.master_addr
+        dist_port = config.master_port or _free_port(host)
+        try:
+            self._listener = Listener(
+                (host, config.master_port + 1 if config.master_port else 0), authkey=authkey()
+            )
+        except OSError as e:
+            raise ValueError(
+                f"cannot listen on --master-addr {host} (port {config.master_port + 1}): {e}"
+            ) from e
+        address = self._listener.address
+        self._ready = False
+        self._procs = {rank: start_stage(rank, address, config.distributed_timeout_s) for rank in local}
+        self._conns: list[Connection] = []
+        try:
+            self._conns = self._accept(world)
+            for rank, conn in enumerate(self._conns):
+                cores, threads = placement[rank - local.start] if rank in local else (None, 0)
+                threads = threads or config.num_threads or 1
+                conn.send_bytes(
+                    encode(StageInit(config, str(Path(model_dir).resolve()), dist_port, cores, threads))
+                )
+            ready = [self._reply(rank, StageReady, timeout=600.0) for rank in range(world)]
+        except BaseException:
+            self.shutdown()
+            raise
+        for rank, r in enumerate(ready):
+            logger.info("pipeline stage %d: layers %d-%d", rank, r.layers[0], r.layers[1] - 1)
+        info = ready[-1].info
+        self.model_info = msgspec.structs.replace(info, weight_bytes=sum(r.info.weight_bytes for r in ready))
+        self._ready = True
+        self._last_done = 0.0
+
+    def _accept(self, world: int) -> list[Connection]:
+        """Every stage's connection, by rank, within distributed_timeout_s."""
+        conns: dict[int, Connection] = {}
+        listener = self._listener
+
+        def accept() -> None:
+            while len(conns) < world:
+                try:
+                    conn = listener.accept()
+                    hello = _to_stage_hello.decode(conn.recv_bytes())
+                except (OSError, EOFError, msgspec.DecodeError):
+                    return
+                conns[hello.rank] = conn
+
+        thread = threading.Thread(target=accept, name="swiftserve-pp-accept", daemon=True)
+        thread.start()
+        thread.join(self.config.distributed_timeout_s)
+        if len(conns) < world:
+            missing = sorted(set(range(world)) - set(conns))
+            raise RuntimeError(
+                f"pipeline stages {missing} did not connect within {self.config.distributed_timeout_s:g} s "
+                f"(distributed_timeout_s); start the other machines with swiftserve serve "
+                f"--nnodes {self.config.nnodes} --node-rank K --master-addr {self.config.master_addr} "
+                f"--master-port {self.config.master_port}"
+            )
+        self._listener.close()
+        return [conns[r] for r in range(world)]
+
+    def _reply(self, rank: int, kind: type, timeout: float = float("inf")) -> Any:
+        """The next reply of stage ``rank``, checking the other stages while waiting."""
+        conn = self._conns[rank]
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.2):
+            self.check_health()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pipeline stage {rank} did not answer in {timeout:g} s")
+        try:
+            reply = _from_stage.decode(conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"pipeline stage {rank} is gone") from e
+        if isinstance(reply, StageFailed):
+            raise RuntimeError(f"pipeline {reply.message}")
+        assert isinstance(reply, kind), reply
+        return reply
+
+    def check_health(self) -> None:
+        for rank, proc in self._procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"pipeline stage {rank} exited with code {proc.returncode}")
+        if not self._ready:
+            return
+        for rank, conn in enumerate(self._conns[:-1]):
+            if conn.poll(0):  # earlier stages only ever send a failure, or close
+                self._reply(rank, Value)
+
+    def _broadcast(self, message: msgspec.Struct) -> None:
+        data = encode(message)
+        for conn in self._conns:
+            conn.send_bytes(data)
+
+    def determine_num_kv_blocks(self) -> int:
+        self._broadcast(NumBlocks())
+        return min(self._reply(rank, Value).value for rank in range(self.depth))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._broadcast(InitKV(num_blocks))
+        for rank in range(self.depth):
+            self._reply(rank, Value)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.submit_model(scheduler_output).result().output
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> PipeHandle:  # type: ignore[override]
+        self._broadcast(Step(scheduler_output))
+        return PipeHandle(self, time.perf_counter())
+
+    def _next_result(self, sent: float) -> PipelineResult:
+        output = self._reply(self.depth - 1, Result).output
+        now = time.perf_counter()
+        # the pipeline's time for this step: from when it was sent or the previous step
+        # came back, whichever is later (what the step-cost model should learn)
+        seconds = now - max(sent, self._last_done)
+        self._last_done = now
+        return PipelineResult(output, seconds)
+
+    def shutdown(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # (a stage already gone)
+                conn.send_bytes(encode(Shutdown()))
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs = {}
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        self._listener.close()
+
+
+if __name__ == "__main__":  # a stage process: RANK HOST PORT TIMEOUT_S LOG_LEVEL
+    from swiftserve.worker.pipeline import stage_main as _main  # the package's module, not __main__
+
+    _rank, _host, _port, _timeout, _level = sys.argv[1:6]
+    _main(int(_rank), (_host, int(_port)), float(_timeout), int(_level))
