@@ -106,7 +106,6 @@ def test_cpulist_and_shares(tmp_path: Path) -> None:
     ("options", "field"),
     [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"data_parallel_backend": "ray"}, "data_parallel_backend"),
         ({"data_parallel_backend": "slurm"}, "data_parallel_backend"),
         ({"data_parallel_size": 0}, "data_parallel_size"),

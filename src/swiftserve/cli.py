@@ -80,7 +80,13 @@ def _train_demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from swiftserve.server.launcher import run_server
 
-    return run_server(server_settings(args), engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if kwargs.get("node_rank"):  # another machine of a pipeline: its stages only, no API
+        from swiftserve.config import EngineConfig
+        from swiftserve.worker.pipeline import run_headless
+
+        return run_headless(EngineConfig(**kwargs))
+    return run_server(server_settings(args), kwargs)
 
 
 def _bench_latency(args: argparse.Namespace) -> int:

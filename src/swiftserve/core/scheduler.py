@@ -169,9 +169,7 @@ class Scheduler:
         self.bm.free(victim)
         victim.num_computed_tokens = 0
         victim.num_placeholders = 0
-        if (
-            self.async_mode or self.pipeline_depth > 1
-        ):  # the runner may hold a token the scheduler will never see
+        if self.async_mode:  # the runner may hold a token the scheduler will never see
             self._finished_ids.add(victim.request_id)
             self._new_ids.add(victim.request_id)
         victim.set_status(RequestStatus.PREEMPTED)
@@ -216,7 +214,8 @@ class Scheduler:
                 index += 1
                 continue
             while not self._allocate(request, num_new):
-                victim = self.running[-1]
+                victim = self._victim()
+                assert victim is not None  # (``request`` itself is one)
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -272,6 +271,15 @@ class Scheduler:
         """Pipeline parallel: a sampled token still in flight (the first stage needs it)."""
         return self.pipeline_depth > 1 and request.num_placeholders > 0
 
+    def _victim(self) -> Request | None:
+        """The worst running request that may be preempted: with pipeline stages, not one
+        whose sampled token is in flight (the stages' sampling state must stay the
+        scheduler's, so a preempted request resumes exactly as with one process)."""
+        for request in reversed(self.running):
+            if not self._in_pipeline(request):
+                return request
+        return None
+
     def discard(self, sched: SchedulerOutput) -> None:
         """Forget a step that will not run (an empty micro-batch the engine drops)."""
         self._batches.pop(id(sched), None)
@@ -308,10 +316,8 @@ class Scheduler:
 
     def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
         """Priority policy: make room for ``request`` by preempting a worse running one."""
-        if self.policy != "priority" or not self.running:
-            return False
-        victim = self.running[-1]
-        if self._key(victim) <= self._key(request):
+        victim = self._victim() if self.policy == "priority" else None
+        if victim is None or self._key(victim) <= self._key(request):
             return False
         self._preempt(victim, scheduled)
         preempted.append(victim.request_id)

@@ -127,6 +127,8 @@ def _engine_process_main(
 
     def recv(block: bool) -> Command | None:
         while block or conn.poll(0):
+            while block and not conn.poll(1.0):  # idle: a dead pipeline stage must not wait for work
+                loop.core.executor.check_health()
             command, rejected = decode_command(conn.recv_bytes())
             if rejected:
                 conn.send_bytes(encode(Outputs(rejected, {})))

@@ -61,6 +61,7 @@ def core_stats(core: EngineCore) -> dict[str, Any]:
         "prefix_queries": bm.prefix_queries,
         "prefix_hits": bm.prefix_hits,
         "num_preemptions": core.scheduler.num_preemptions,
+        "pipeline_max_in_flight": max(core.max_in_flight, 1),
         **core.scheduler.slo_stats(),
     }
 

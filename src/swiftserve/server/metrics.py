@@ -95,6 +95,11 @@ class ServerMetrics:
             ["slo", "met"],
             registry=r,
         )
+        self.pipeline_in_flight = Gauge(
+            "swiftserve:pipeline_max_micro_batches_in_flight",
+            "Most pipeline-parallel micro-batches seen in flight at once (1 without stages)",
+            registry=r,
+        )
         self.step_budget = Gauge("swiftserve:step_token_budget", "Token budget of the last step", registry=r)
         self.deadline_failed = Gauge(
             "swiftserve:deadline_failures_total",
@@ -162,6 +167,7 @@ class ServerMetrics:
             self.prefix_queries.set(stats["prefix_queries"])
             self.prefix_hits.set(stats["prefix_hits"])
             self.preemptions.set(stats["num_preemptions"])
+            self.pipeline_in_flight.set(stats.get("pipeline_max_in_flight", 1))
         if "step_budget" in stats:
             self.step_budget.set(stats["step_budget"])
             self.deadline_failed.labels(reason="expired").set(stats["deadline_expired"])
