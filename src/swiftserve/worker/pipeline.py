@@ -49,11 +49,14 @@ def authkey() -> bytes:
 # ---- control messages ------------------------------------------------------------------------
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     rank: int
+    host: str  # this stage's address as the engine sees it
+    port: int  # rank 0: a free port there for the torch.distributed rendezvous
 
 
 class StageInit(msgspec.Struct, frozen=True, tag="init"):
     config: EngineConfig
     model_dir: str
+    dist_addr: str
     dist_port: int
     cores: tuple[int, ...] | None  # pin to these (None: leave the affinity alone)
     num_threads: int
@@ -134,11 +137,13 @@ def stage_main(rank: int, address: tuple[str, int], timeout_s: float, log_level:
     """Entry point of one stage process (also what a Ray actor runs)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     conn = _connect(address, timeout_s)
-    conn.send_bytes(encode(Hello(rank)))
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        host = sock.getsockname()[0]  # the interface that reaches the engine
+    conn.send_bytes(encode(Hello(rank, host, _free_port(host) if rank == 0 else 0)))
     try:
         init = _to_stage.decode(conn.recv_bytes())
         assert isinstance(init, StageInit)
-        worker = _start_stage(rank, init, address[0])
+        worker = _start_stage(rank, init)
         conn.send_bytes(encode(StageReady(worker.model_info, worker.layer_range)))
         _serve_stage(conn, worker)
     except (EOFError, BrokenPipeError):
@@ -151,7 +156,7 @@ def stage_main(rank: int, address: tuple[str, int], timeout_s: float, log_level:
             os._exit(1)
 
 
-def _start_stage(rank: int, init: StageInit, master_addr: str) -> Any:
+def _start_stage(rank: int, init: StageInit) -> Any:
     if init.cores is not None:  # before torch sizes its thread pools
         os.sched_setaffinity(0, set(init.cores))
     import datetime
@@ -167,7 +172,7 @@ def _start_stage(rank: int, init: StageInit, master_addr: str) -> Any:
     backend = "nccl" if config.device != "cpu" and torch.cuda.is_available() else "gloo"
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{master_addr}:{init.dist_port}",
+        init_method=f"tcp://{init.dist_addr}:{init.dist_port}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=config.distributed_timeout_s),
@@ -259,10 +264,14 @@ class PipelineExecutor(Executor):
                 f"EngineConfig.pipeline_parallel_size ({world}, --pipeline-parallel-size) is larger "
                 f"than the model's {num_layers} layers"
             )
-        local = stages_on_node(config)
-        placement = stage_placement(config, local)
+        ray = config.distributed_executor_backend == "ray"
+        local = range(world) if ray else stages_on_node(config)  # (Ray places every stage)
+        placement = [(None, config.num_threads or 1)] * world if ray else stage_placement(config, local)
         host = config.master_addr
-        dist_port = config.master_port or _free_port(host)
+        if ray and host == "127.0.0.1":
+            from swiftserve.worker.ray_stages import engine_host
+
+            host = engine_host()  # stages on other machines must reach it
         try:
             self._listener = Listener(
                 (host, config.master_port + 1 if config.master_port else 0), authkey=authkey()
@@ -273,16 +282,23 @@ class PipelineExecutor(Executor):
             ) from e
         address = self._listener.address
         self._ready = False
-        self._procs = {rank: start_stage(rank, address, config.distributed_timeout_s) for rank in local}
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._actors: list[Any] = []
         self._conns: list[Connection] = []
         try:
-            self._conns = self._accept(world)
+            if ray:
+                from swiftserve.worker.ray_stages import start_ray_stages
+
+                self._actors = start_ray_stages(config, address, placement)
+            else:
+                self._procs = {r: start_stage(r, address, config.distributed_timeout_s) for r in local}
+            hellos = self._accept(world)  # rank 0's (host, port)
+            dist: tuple[str, int] = (config.master_addr, config.master_port) if config.master_port else hellos
             for rank, conn in enumerate(self._conns):
                 cores, threads = placement[rank - local.start] if rank in local else (None, 0)
-                threads = threads or config.num_threads or 1
-                conn.send_bytes(
-                    encode(StageInit(config, str(Path(model_dir).resolve()), dist_port, cores, threads))
-                )
+                path = str(Path(model_dir).resolve())
+                init = StageInit(config, path, dist[0], dist[1], cores, threads or config.num_threads or 1)
+                conn.send_bytes(encode(init))
             ready = [self._reply(rank, StageReady, timeout=600.0) for rank in range(world)]
         except BaseException:
             self.shutdown()
@@ -294,9 +310,11 @@ class PipelineExecutor(Executor):
         self._ready = True
         self._last_done = 0.0
 
-    def _accept(self, world: int) -> list[Connection]:
-        """Every stage's connection, by rank, within distributed_timeout_s."""
+    def _accept(self, world: int) -> tuple[str, int]:
+        """Every stage's connection (into ``self._conns``, by rank), within
+        distributed_timeout_s; returns rank 0's (host, free port)."""
         conns: dict[int, Connection] = {}
+        hellos: dict[int, Hello] = {}
         listener = self._listener
 
         def accept() -> None:
@@ -307,11 +325,13 @@ class PipelineExecutor(Executor):
                 except (OSError, EOFError, msgspec.DecodeError):
                     return
                 conns[hello.rank] = conn
+                hellos[hello.rank] = hello
 
         thread = threading.Thread(target=accept, name="swiftserve-pp-accept", daemon=True)
         thread.start()
         thread.join(self.config.distributed_timeout_s)
         if len(conns) < world:
+            self._conns = list(conns.values())  # (closed by shutdown)
             missing = sorted(set(range(world)) - set(conns))
             raise RuntimeError(
                 f"pipeline stages {missing} did not connect within {self.config.distributed_timeout_s:g} s "
@@ -320,7 +340,8 @@ class PipelineExecutor(Executor):
                 f"--master-port {self.config.master_port}"
             )
         self._listener.close()
-        return [conns[r] for r in range(world)]
+        self._conns = [conns[r] for r in range(world)]
+        return hellos[0].host, hellos[0].port
 
     def _reply(self, rank: int, kind: type, timeout: float = float("inf")) -> Any:
         """The next reply of stage ``rank``, checking the other stages while waiting."""
@@ -394,6 +415,11 @@ class PipelineExecutor(Executor):
             conn.close()
         self._conns = []
         self._listener.close()
+        if self._actors:
+            from swiftserve.worker.ray_stages import stop_ray_stages
+
+            stop_ray_stages(self._actors)
+            self._actors = []
 
 
 if __name__ == "__main__":  # a stage process: RANK HOST PORT TIMEOUT_S LOG_LEVEL

@@ -1,0 +1,1 @@
+"""Adapters to other serving systems (optional extras)."""
