@@ -197,3 +197,11 @@ def test_more_stages_than_cores_needs_num_threads(five_layers: Path) -> None:
         pytest.skip("a machine with more cores than the model has layers")
     with pytest.raises(ValueError, match=r"pipeline_parallel_size .* needs at least one core"):
         LLM(str(five_layers), pipeline_parallel_size=too_many)
+
+
+def test_ray_backend_without_ray_names_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swiftserve import config
+
+    monkeypatch.setattr(config, "_ray_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"--distributed-executor-backend.*pip install 'swiftserve\[ray\]'"):
+        EngineConfig(pipeline_parallel_size=2, distributed_executor_backend="ray")

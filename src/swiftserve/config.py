@@ -307,7 +307,11 @@ class EngineConfig:
                 f"got {self.data_parallel_backend!r}"
             )
         if self.data_parallel_backend == "ray":
-            raise ValueError(f"{own}.data_parallel_backend='ray' is not supported yet: use 'mp'")
+            raise ValueError(
+                f"{own}.data_parallel_backend='ray' is not built: use 'mp' on one machine, or the Ray "
+                "Serve app for replicas on a Ray cluster (serve run swiftserve.integrations.ray_serve:app "
+                "num_replicas=N)"
+            )
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"{own}.tensor_parallel_size: tensor parallelism is not supported "
