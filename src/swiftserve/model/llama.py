@@ -176,6 +176,10 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() first"
         h, residual = carried if carried is not None else (self.model.embed_tokens(input_ids), None)
         rope = self.rotary.tables(positions, h.dtype)
+        if self.stack:  # the C++ layer stack over this stage's layers, where it applies
+            out = meta.ops.decoder_stack_stage(self, self.stack, h, residual, rope, kv_caches, meta, last)
+            if out is not None:
+                return out  # type: ignore[no-any-return]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, rope, kv_cache, meta)
         assert residual is not None, "a stage has at least one layer"

@@ -137,6 +137,13 @@ class TorchOps:
         """The final-normed hidden states in one call, or None when it does not apply."""
         return None
 
+    def decoder_stack_stage(self, model: Any, weights: list[torch.Tensor], h: torch.Tensor,
+                            residual: torch.Tensor | None, rope: Any, kv_caches: Any,
+                            meta: AttentionMetadata, last: bool) -> Any:  # fmt: skip
+        """A pipeline stage's layers in one call ((output, residual), or (final-normed, None)
+        when ``last``), or None when it does not apply."""
+        return None
+
 
 class CpuOps(TorchOps):
     """Our C++ CPU kernels (AVX-512 where the CPU has it), same results as TorchOps."""
@@ -238,6 +245,15 @@ class CpuOps(TorchOps):
         if h.shape[0] >= self.stack_max_rows or not layer_stack.applies(meta, h.shape[0]):
             return None
         return layer_stack.run_stack(self.cpp, model, weights, h, rope, kv_caches, meta)
+
+    def decoder_stack_stage(self, model: Any, weights: list[torch.Tensor], h: torch.Tensor,
+                            residual: torch.Tensor | None, rope: Any, kv_caches: Any,
+                            meta: AttentionMetadata, last: bool) -> Any:  # fmt: skip
+        from swiftserve.model import layer_stack
+
+        if h.shape[0] >= self.stack_max_rows or not layer_stack.applies(meta, h.shape[0]):
+            return None
+        return layer_stack.run_stage_stack(self.cpp, model, weights, h, residual, rope, kv_caches, meta, last)
 
 
 class TritonOps(TorchOps):

@@ -81,6 +81,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
 class StageReady(msgspec.Struct, frozen=True, tag="ready"):
     info: ModelInfo
     layers: tuple[int, int]
+    stack: bool  # the stage's decode steps run through the C++ layer stack
 
 
 class Value(msgspec.Struct, frozen=True, tag="value"):
@@ -144,7 +145,8 @@ def stage_main(rank: int, address: tuple[str, int], timeout_s: float, log_level:
         init = _to_stage.decode(conn.recv_bytes())
         assert isinstance(init, StageInit)
         worker = _start_stage(rank, init)
-        conn.send_bytes(encode(StageReady(worker.model_info, worker.layer_range)))
+        ready = StageReady(worker.model_info, worker.layer_range, bool(worker.model.stack))
+        conn.send_bytes(encode(ready))
         _serve_stage(conn, worker)
     except (EOFError, BrokenPipeError):
         os._exit(0)  # the engine went away
@@ -305,6 +307,7 @@ class PipelineExecutor(Executor):
             raise
         for rank, r in enumerate(ready):
             logger.info("pipeline stage %d: layers %d-%d", rank, r.layers[0], r.layers[1] - 1)
+        self.stage_stacks = [r.stack for r in ready]
         info = ready[-1].info
         self.model_info = msgspec.structs.replace(info, weight_bytes=sum(r.info.weight_bytes for r in ready))
         self._ready = True

@@ -175,8 +175,7 @@ class Worker:
                 )
                 logger.info("quantized %d linear layers to %s", count, config.quantization)
             logger.info("prepacked %d linear layers", self.ops.pack_linears(model))  # what is left in bf16
-            # (the C++ stack runs embeddings to final norm: a stage runs the layer loop)
-            model.stack = self.ops.stack_weights(model) if stage is None else None
+            model.stack = self.ops.stack_weights(model)  # (a stage's: its own layers)
         self.model = model
         self.runner: ModelRunner | None = None
         self.drafter: DraftRunner | None = None

@@ -38,25 +38,27 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, 
 }
 }  // namespace
 
-// h: [T, hidden] embeddings. layers: PER_LAYER tensors per layer (packed weights as made by
-// PanelLinear or Int8Linear, an empty scale for a bf16 one; an empty qkv_bias means none). dims: {num_heads, num_kv_heads, head_dim, hidden,
-// intermediate}; scale: the attention scale as Python computes it. Returns the final-normed
-// hidden states [T, hidden].
-torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_caches,
-                            std::vector<torch::Tensor> v_caches, torch::Tensor final_norm, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor tables, torch::Tensor positions, torch::Tensor slots,
-                            std::vector<int64_t> dims, double eps, double scale, int64_t window) {
+// h: [T, hidden] embeddings, or a pipeline stage's input (the previous stage's output, with
+// its residual stream in ``residual``; undefined before the first layer). layers: PER_LAYER
+// tensors per layer (packed weights as made by PanelLinear or Int8Linear, an empty scale for
+// a bf16 one; an empty qkv_bias means none). dims: {num_heads, num_kv_heads, head_dim,
+// hidden, intermediate}; scale: the attention scale as Python computes it. Runs the layers;
+// ``residual`` holds the residual stream after, the result is the last layer's output.
+static torch::Tensor run_layers(torch::Tensor h, torch::Tensor& residual, const std::vector<torch::Tensor>& layers,
+                                const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                                const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& tables,
+                                const torch::Tensor& positions, const torch::Tensor& slots,
+                                const std::vector<int64_t>& dims, double eps, double scale, int64_t window) {
   TORCH_CHECK(dims.size() == 5, "dims: {num_heads, num_kv_heads, head_dim, hidden, intermediate}");
   const int64_t H = dims[0], KVH = dims[1], D = dims[2], hidden = dims[3], inter = dims[4];
   const size_t L = k_caches.size();
   TORCH_CHECK(layers.size() == L * PER_LAYER && v_caches.size() == L, "one set of weights and caches per layer");
   TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden, "h must be [T, hidden]");
   const int64_t T = h.size(0), q_size = H * D, kv_size = KVH * D;
-  torch::Tensor residual;
   const bool int8_kv = L > 0 && k_caches[0].scalar_type() == torch::kChar;  // kv_cache_dtype="int8"
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* w = &layers[l * PER_LAYER];
-    if (l == 0) {
+    if (!residual.defined()) {
       residual = h;
       h = rms_norm(h, w[0], eps);
     } else {
@@ -80,5 +82,30 @@ torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, 
     auto act = silu_and_mul(linear(h, w + 9, 2 * inter, c10::nullopt));
     h = linear(act, w + 12, hidden, c10::nullopt);
   }
+  return h;
+}
+
+// Every layer from the embeddings ``h``; returns the final-normed hidden states [T, hidden].
+torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_caches,
+                            std::vector<torch::Tensor> v_caches, torch::Tensor final_norm, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor tables, torch::Tensor positions, torch::Tensor slots,
+                            std::vector<int64_t> dims, double eps, double scale, int64_t window) {
+  torch::Tensor residual;
+  h = run_layers(h, residual, layers, k_caches, v_caches, cos, sin, tables, positions, slots, dims, eps, scale,
+                 window);
   return add_rms_norm(h, residual, final_norm, eps);
+}
+
+// A pipeline stage's layers: ``residual`` empty on the first stage. Returns {output, residual}
+// for the next stage or, when ``last``, {final-normed hidden states, empty}.
+std::vector<torch::Tensor> decoder_stack_stage(torch::Tensor h, torch::Tensor residual, std::vector<torch::Tensor> layers,
+                                               std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                               torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin,
+                                               torch::Tensor tables, torch::Tensor positions, torch::Tensor slots,
+                                               std::vector<int64_t> dims, double eps, double scale, int64_t window,
+                                               bool last) {
+  torch::Tensor res = residual.numel() ? residual : torch::Tensor();
+  h = run_layers(h, res, layers, k_caches, v_caches, cos, sin, tables, positions, slots, dims, eps, scale, window);
+  if (last) return {add_rms_norm(h, res, final_norm, eps), torch::empty({0}, h.options())};
+  return {h, res};
 }

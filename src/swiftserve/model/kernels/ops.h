@@ -25,6 +25,12 @@ torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, 
                             std::vector<torch::Tensor> v_caches, torch::Tensor final_norm, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor tables, torch::Tensor positions, torch::Tensor slots,
                             std::vector<int64_t> dims, double eps, double scale, int64_t window);
+std::vector<torch::Tensor> decoder_stack_stage(torch::Tensor h, torch::Tensor residual, std::vector<torch::Tensor> layers,
+                                               std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                               torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin,
+                                               torch::Tensor tables, torch::Tensor positions, torch::Tensor slots,
+                                               std::vector<int64_t> dims, double eps, double scale, int64_t window,
+                                               bool last);
 void write_kv_int8_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                                 torch::Tensor positions, double scale, int64_t window);
