@@ -187,7 +187,7 @@ def _stage_pids(server_pid: int) -> list[int]:
             grand = int((Path("/proc") / str(ppid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError):
             continue
-        if b"swiftserve.worker.pipeline" in cmdline and server_pid in (ppid, grand):
+        if b"swiftserve.worker.stage_process" in cmdline and server_pid in (ppid, grand):
             found.append(int(entry.name))
     return sorted(found)
 

@@ -83,7 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if kwargs.get("node_rank"):  # another machine of a pipeline: its stages only, no API
         from swiftserve.config import EngineConfig
-        from swiftserve.worker.pipeline import run_headless
+        from swiftserve.worker.stage_process import run_headless
 
         return run_headless(EngineConfig(**kwargs))
     return run_server(server_settings(args), kwargs)

@@ -32,7 +32,7 @@ class StageActor:
     """One pipeline stage in a Ray actor."""
 
     def run(self, rank: int, address: tuple[str, int], timeout_s: float, log_level: int) -> None:
-        from swiftserve.worker.pipeline import stage_main
+        from swiftserve.worker.stage_process import stage_main
 
         stage_main(rank, address, timeout_s, log_level)
 
