@@ -88,20 +88,17 @@ def applies(meta: AttentionMetadata, num_tokens: int) -> bool:
     )
 
 
-def run_stack(
-    kernels: Any,
+def _stack_args(
     model: LlamaForCausalLM,
     weights: list[torch.Tensor],
-    h: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     meta: AttentionMetadata,
-) -> torch.Tensor:
-    """Final-normed hidden states of the step, from the embeddings ``h``."""
+) -> list[Any]:
+    """The arguments both C++ stack calls take after the hidden states."""
     cfg = model.config
     assert meta.decode_tables is not None and meta.decode_positions is not None
-    return kernels.decoder_stack(  # type: ignore[no-any-return]
-        h,
+    return [
         weights,
         [k for k, _ in kv_caches],
         [v for _, v in kv_caches],
@@ -115,7 +112,20 @@ def run_stack(
         model.model.norm.eps,
         cfg.head_dim**-0.5,
         meta.window or -1,
-    )
+    ]
+
+
+def run_stack(
+    kernels: Any,
+    model: LlamaForCausalLM,
+    weights: list[torch.Tensor],
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Final-normed hidden states of the step, from the embeddings ``h``."""
+    return kernels.decoder_stack(h, *_stack_args(model, weights, rope, kv_caches, meta))  # type: ignore[no-any-return]
 
 
 def run_stage_stack(
@@ -131,24 +141,6 @@ def run_stage_stack(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A pipeline stage's layers (model/llama.py ``forward_stage``): (output, residual) for
     the next stage, or (final-normed hidden states, None) on the last."""
-    cfg = model.config
-    assert meta.decode_tables is not None and meta.decode_positions is not None
-    out, res = kernels.decoder_stack_stage(
-        h,
-        residual if residual is not None else _NONE,
-        weights,
-        [k for k, _ in kv_caches],
-        [v for _, v in kv_caches],
-        model.model.norm.weight,
-        rope[0],
-        rope[1],
-        meta.decode_tables,
-        meta.decode_positions,
-        meta.slot_mapping,
-        [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size],
-        model.model.norm.eps,
-        cfg.head_dim**-0.5,
-        meta.window or -1,
-        last,
-    )
+    args = _stack_args(model, weights, rope, kv_caches, meta)
+    out, res = kernels.decoder_stack_stage(h, residual if residual is not None else _NONE, *args, last)
     return out, None if last else res
