@@ -22,7 +22,7 @@ from swiftserve.engine.core_client import Emit, ProcessCoreClient
 from swiftserve.engine.placement import replica_cores
 
 logger = logging.getLogger(__name__)
-MEAN_STATS = ("kv_cache_usage", "step_budget")  # averaged over replicas; the rest are summed
+MEAN_STATS = ("kv_cache_usage", "step_budget", "pipeline_max_in_flight")  # averaged; the rest summed
 
 
 class DataParallelCoreClient:
