@@ -31,6 +31,7 @@ def run(model_dir: Path, fused: bool, limit: int | None = None) -> list:  # type
     llm = LLM(
         model=str(model_dir),
         fused_prefill=fused,
+        prompt_tiles=False,  # this file compares the row kernel with SDPA (tiles: test_prompt_tiles.py)
         dtype="bfloat16",
         max_num_batched_tokens=37,  # prompts split into chunks, decode rows mixed in
         block_size=16,

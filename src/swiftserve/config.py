@@ -112,7 +112,8 @@ class EngineConfig:
     ``kernel_backend``: "auto" (the C++ CPU kernels when they built, else PyTorch), "torch"
     (the reference) or "cpu". A/B switches of the CPU kernels: ``bf16_gemm`` ("panel": our
     AVX512-BF16 GEMM; "onednn"), ``fused_prefill`` (bfloat16 prompt rows through the row
-    attention kernel instead of SDPA), ``layer_stack`` (the decoder stack in one C++ call).
+    attention kernel instead of SDPA), ``prompt_tiles`` (on AMX CPUs, prompt runs of 8+ rows
+    through the tiled attention kernel), ``layer_stack`` (the decoder stack in one C++ call).
     ``device``: "auto" is CUDA when a GPU is visible, else the CPU. On CUDA the KV pool takes
     ``gpu_memory_utilization`` of the GPU's memory less the weights and the activation peak of
     one profiling forward; decode-only steps replay CUDA graphs captured at the
@@ -165,6 +166,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     bf16_gemm: str = "panel"
     fused_prefill: bool = True
+    prompt_tiles: bool = True
     layer_stack: bool = True
     device: str = "auto"
     gpu_memory_utilization: float = 0.9

@@ -40,6 +40,16 @@ class PrefillSegment:
 
 
 @dataclass
+class TileRuns:
+    """Prompt runs answered by the tiled kernel (``ops.prompt_tiles``): run r is rows
+    [runs[r, 0], runs[r, 0] + runs[r, 1]) of the batch, queries at positions runs[r, 2] + i
+    over block table ``tables[r]``. They are the batch's last rows."""
+
+    tables: torch.Tensor  # [R, nb] int64
+    runs: torch.Tensor  # [R, 3] int64: first row, rows, first position
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step description of the flat batch, shared by every layer."""
 
@@ -51,6 +61,7 @@ class AttentionMetadata:
     decode_positions: torch.Tensor | None = None  # [B] query positions
     window: int | None = None  # sliding window (keys within the last `window` positions)
     ops: Any = None  # the kernel backend (model/ops.py) every layer calls
+    tiles: TileRuns | None = None  # prompt runs after the row-kernel rows (AMX CPUs)
 
 
 def paged_attention(
@@ -66,16 +77,21 @@ def paged_attention(
 
     q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]. The first ``num_decode`` rows go to
     ``ops.paged_decode`` (one query per row, through its block table); each prefill segment
-    is one SDPA call. Every new token is written before any is read: a request may read
-    blocks another request of the same batch just wrote.
+    is one SDPA call; ``meta.tiles`` runs go to ``ops.prompt_tiles``. Every new token is
+    written before any is read: a request may read blocks another request of the same batch
+    just wrote.
     """
-    if not meta.prefills:
+    if not meta.prefills and meta.tiles is None:
         return ops.paged_decode(q, k_cache, v_cache, meta)  # type: ignore[no-any-return]
+    if meta.tiles is not None:
+        q = q.contiguous()
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = ops.paged_decode(q[: meta.num_decode], k_cache, v_cache, meta)
     for seg in meta.prefills:
         out[seg.q_start : seg.q_end] = _prefill(q, k, v, k_cache, v_cache, seg)
+    if meta.tiles is not None:  # the batch's last rows: prompt runs of the tiled kernel
+        ops.prompt_tiles(q, k_cache, v_cache, meta, out)
     return out
 
 

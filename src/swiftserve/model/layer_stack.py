@@ -82,6 +82,7 @@ def applies(meta: AttentionMetadata, num_tokens: int) -> bool:
     """Whether every row of this step is answered by the fused attention kernel."""
     return (
         not meta.prefills
+        and meta.tiles is None
         and meta.num_decode == num_tokens
         and meta.decode_tables is not None
         and meta.decode_positions is not None

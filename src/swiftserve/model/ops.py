@@ -37,6 +37,7 @@ class KernelOptions:
     bf16_gemm: str = "panel"  # "panel" (our GEMM) or "onednn"
     fused_prefill: bool = True  # bfloat16 prompt rows through the row attention kernel
     layer_stack: bool = True  # the whole decoder stack in one C++ call where it applies
+    prompt_tiles: bool = True  # AMX CPUs: prompt runs through the tiled attention kernel
 
 
 @functools.cache
@@ -123,6 +124,21 @@ class TorchOps:
     def fused_rows(self, cfg: ModelConfig, dtype: torch.dtype) -> bool:
         """Whether prompt rows go through ``paged_decode`` as rows (else one SDPA per prompt)."""
         return False
+
+    def tile_rows(self, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int) -> bool:
+        """Whether prompt runs of ``TILE_MIN_ROWS``+ rows go to ``prompt_tiles``."""
+        return False
+
+    def prompt_tiles(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of the prompt runs in ``meta.tiles``, written into their rows of ``out``."""
+        raise NotImplementedError
 
     def pack_linears(self, model: nn.Module) -> int:
         """Repack linear weights for this backend's GEMM; returns how many were packed."""
@@ -219,6 +235,35 @@ class CpuOps(TorchOps):
             and dtype == torch.bfloat16
             and cfg.head_dim == 64
             and cfg.num_heads // cfg.num_kv_heads <= 4
+        )
+
+    def tile_rows(self, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int) -> bool:
+        # bf16 cache, head_dim 64, up to 8 query heads per KV head, whole 16-key tiles per
+        # block: the kernel's shapes (model/kernels/prompt_tiles.cpp); AMX CPUs only.
+        return (
+            self.options.prompt_tiles
+            and dtype == torch.bfloat16
+            and kv_dtype == torch.bfloat16
+            and cfg.head_dim == 64
+            and cfg.num_heads // cfg.num_kv_heads <= 8
+            and block_size % 16 == 0
+            and amx_available()
+            and hasattr(self.cpp, "prompt_tiles")
+            and bool(self.cpp.prompt_tiles_available())
+        )
+
+    def prompt_tiles(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        tiles = meta.tiles
+        assert tiles is not None
+        self.cpp.prompt_tiles(
+            q, k_cache, v_cache, tiles.tables, tiles.runs, out, q.shape[-1] ** -0.5, meta.window or -1
         )
 
     def pack_linears(self, model: nn.Module) -> int:

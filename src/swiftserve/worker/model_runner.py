@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from swiftserve.core.messages import PLACEHOLDER, RunnerOutput, ScheduledRequest, SchedulerOutput
-from swiftserve.model.attention import AttentionMetadata, PrefillSegment
+from swiftserve.model.attention import AttentionMetadata, PrefillSegment, TileRuns
 from swiftserve.model.kv_quant import row_width
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.model.ops import TorchOps
@@ -25,6 +25,10 @@ from swiftserve.worker.sampler import Sampler, SamplingState, logprob_entries
 from swiftserve.worker.spec_verify import verify
 
 logger = logging.getLogger(__name__)
+
+# Prompt runs of this many rows go to the tiled attention kernel where the backend has it: at
+# 1,000 tokens of context it beats the row kernel from 8 rows (issue 24's notes).
+TILE_MIN_ROWS = 8
 
 
 @dataclass
@@ -86,6 +90,7 @@ class ModelRunner:
         # in place of one SDPA call per prompt, where the backend says it pays.
         self.fused_prefill = ops.fused_rows(cfg, dtype)
         self.fused_rows_limit = ops.fused_rows_limit
+        self.tile_rows = ops.tile_rows(cfg, dtype, kv_dtype, block_size)
         self.states: dict[str, SamplingState] = {}
         self.graphs: DecodeGraphs | None = None
 
@@ -130,7 +135,10 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         decode = [s for s in scheduled if len(s.token_ids) == 1]
         prefill = [s for s in scheduled if len(s.token_ids) > 1]
-        order = decode + prefill
+        tiled = [s for s in prefill if len(s.token_ids) >= TILE_MIN_ROWS] if self.tile_rows else []
+        if tiled:  # the tiled runs are the batch's last rows
+            prefill = [s for s in prefill if len(s.token_ids) < TILE_MIN_ROWS]
+        order = decode + prefill + tiled
         sample_rows: list[tuple[int, str]] = []
         prompt_rows: list[tuple[str, list[int], list[int]]] = []
         spec_rows: list[tuple[str, list[int], list[int]]] = []
@@ -145,24 +153,16 @@ class ModelRunner:
         fused = self.fused_prefill and sum(len(s.token_ids) for s in prefill) <= self.fused_rows_limit
         # (decode rows were staged above; prompt rows below; one host-to-device copy after)
         for s in prefill:
-            n = len(s.token_ids)
-            positions = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
-            self._ids[row : row + n] = self._tokens(s)
-            self._pos[row : row + n] = positions
-            self._slots[row : row + n] = self._slots_for(s.block_ids, positions)
+            positions = self._stage_prompt(s, row, sample_rows, spec_rows, prompt_rows)
             if not fused:
                 segments.append(self._segment(s, row, positions))
-            if s.num_spec:  # verify: logits at the last token and at every draft
-                rows = list(range(row + n - 1 - s.num_spec, row + n))
-                spec_rows.append((s.request_id, rows, s.token_ids[n - s.num_spec :]))
-            elif s.sample:
-                sample_rows.append((row + n - 1, s.request_id))
-            if s.prompt_logprob_start is not None:
-                prompt_rows.append(self._prompt_rows(s, row))
-            row += n
+            row += len(positions)
         if fused and prefill:
-            decode_tables = self._row_tables(order, row)
+            decode_tables = self._row_tables(order[: len(decode) + len(prefill)], row)
             num_decode, segments = row, []
+        tiles = self._tile_runs(tiled, row) if tiled else None
+        for s in tiled:
+            row += len(self._stage_prompt(s, row, sample_rows, spec_rows, prompt_rows))
         if self.cuda:
             self._inputs[:, :row].copy_(self._staging[:, :row], non_blocking=True)
             decode_tables, decode_mask = self._dev(decode_tables), self._dev(decode_mask)
@@ -176,8 +176,41 @@ class ModelRunner:
             decode_positions=self._pos_t[:num_decode],
             window=self.window,
             ops=self.ops,
+            tiles=tiles,
         )
         return _Batch(row, meta, order, sample_rows, prompt_rows, spec_rows)
+
+    def _stage_prompt(
+        self,
+        s: ScheduledRequest,
+        row: int,
+        sample_rows: list[tuple[int, str]],
+        spec_rows: list[tuple[str, list[int], list[int]]],
+        prompt_rows: list[tuple[str, list[int], list[int]]],
+    ) -> np.ndarray:
+        """Stage a prompt chunk (or verification run) at ``row``; note the rows that sample,
+        verify drafts or score prompt tokens. Returns its positions."""
+        n = len(s.token_ids)
+        positions = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+        self._ids[row : row + n] = self._tokens(s)
+        self._pos[row : row + n] = positions
+        self._slots[row : row + n] = self._slots_for(s.block_ids, positions)
+        if s.num_spec:  # verify: logits at the last token and at every draft
+            rows = list(range(row + n - 1 - s.num_spec, row + n))
+            spec_rows.append((s.request_id, rows, s.token_ids[n - s.num_spec :]))
+        elif s.sample:
+            sample_rows.append((row + n - 1, s.request_id))
+        if s.prompt_logprob_start is not None:
+            prompt_rows.append(self._prompt_rows(s, row))
+        return positions
+
+    def _tile_runs(self, tiled: list[ScheduledRequest], row: int) -> TileRuns:
+        """The tiled kernel's description of ``tiled``, whose rows start at ``row``."""
+        runs = np.empty((len(tiled), 3), dtype=np.int64)
+        for i, s in enumerate(tiled):
+            runs[i] = (row, len(s.token_ids), s.start_pos)
+            row += len(s.token_ids)
+        return TileRuns(torch.from_numpy(self._block_tables(tiled)), torch.from_numpy(runs))
 
     def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(self.device, non_blocking=True)

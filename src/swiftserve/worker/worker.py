@@ -155,7 +155,9 @@ class Worker:
             )
         timeline = startup.current()
         with timeline.phase("kernels"):
-            options = KernelOptions(config.bf16_gemm, config.fused_prefill, config.layer_stack)
+            options = KernelOptions(
+                config.bf16_gemm, config.fused_prefill, config.layer_stack, config.prompt_tiles
+            )
             self.ops = select_ops(config.kernel_backend, self.device, options)
         with timeline.phase("load weights"):
             model = load_model(

@@ -32,6 +32,7 @@ _SOURCES = (
     "kv_int8.cpp",
     "bf16_gemm.cpp",
     "layer_stack.cpp",
+    "prompt_tiles.cpp",
     "bindings.cpp",
 )
 

@@ -34,3 +34,6 @@ std::vector<torch::Tensor> decoder_stack_stage(torch::Tensor h, torch::Tensor re
 void write_kv_int8_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
                                 torch::Tensor positions, double scale, int64_t window);
+bool prompt_tiles_available();
+void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables, torch::Tensor runs,
+                  torch::Tensor out, double scale, int64_t window);

@@ -1,0 +1,380 @@
+// Tiled attention for prompt chunks on AMX CPUs (issue 24).
+//
+// The row kernel (paged_decode.cpp) answers every prompt row as its own query and so reads a
+// request's whole K/V once per row; SDPA needs the context gathered out of the paged cache
+// first. Here a work item is 16 consecutive query positions of one query head: it walks the
+// request's keys 32 at a time, reading K straight from the paged cache through the block
+// table, and every K/V tile it loads serves 16 queries. Orientation (chosen so that nothing
+// on the hot path needs a transpose):
+//   S^T [32 keys x 16 queries] = K [keys x dims] . Q^T      (A = K rows as they sit in a block,
+//                                                             B = Q^T packed once per item)
+//   softmax runs down the key rows: one zmm holds 16 queries, so max/exp/sum are vertical ops
+//   O^T [64 dims x 16 queries] += V^T [dims x keys] . P^T   (A = V^T packed once per request
+//                                                             and KV head, B = P^T in pairs)
+// O^T stays in four tile registers for the whole item. Online softmax with lazy rescaling:
+// the running max used for exp only moves when a query's max grows by more than 2^8 (then
+// the accumulators are rescaled once), so probabilities stay <= 256 and the usual per-block
+// rescale of the output is skipped. Probabilities are rounded to bf16 for P.V, as PyTorch's
+// CPU flash attention does for bf16 inputs.
+//
+// q: [T, H, 64] bf16 (contiguous); caches [KVH, NB, BS, 64] bf16 with BS % 16 == 0;
+// tables [R, nb] int64; runs [R, 3] int64 = (first query row, rows, position of the first
+// row): row i of run r is a query at position runs[r,2] + i that sees keys up to itself
+// (within `window` when window > 0). Results are written into `out` rows of the runs only.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "ops.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define SWIFTSERVE_AMX 1
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#ifdef SWIFTSERVE_AMX
+namespace {
+
+constexpr int64_t TQ = 16;  // query positions per item (tile columns)
+constexpr int64_t TK = 32;  // keys per step (two 16-key tiles; one P^T tile)
+constexpr int64_t D = 64;   // head_dim covered (O^T = 4 tiles of 16 dims)
+constexpr float kRescaleAt = 8.f;  // log2 units: rescale when a max grows past 2^8
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out AMX state only on request (once per process).
+bool request_amx() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Eight tiles of 16 rows x 64 bytes: 0-3 O^T, 4-5 S^T, 6 the A operand, 7 the B operand.
+void load_tile_config() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// 2^x for x <= ~8: round to nearest, a degree-4 polynomial for 2^f on [-0.5, 0.5] (fitted;
+// relative error below 3e-6, far under the bf16 rounding of the probabilities), scalef for the
+// exponent. -inf and NaN come out as 0 (clamped to 2^-150).
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(0.009560510206479118f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591703917486793f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981109537327f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121967696061f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991908565828f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Run {
+  int64_t row, n, pos;  // first query row, rows, position of the first row
+  int64_t lo, groups;   // first packed key (a multiple of TK) and how many TK-key groups
+  int64_t packed;       // offset of this run's V^T in the packed buffer (bf16 elements)
+};
+
+struct Problem {
+  const c10::BFloat16 *q, *kc, *vc;
+  c10::BFloat16* out;
+  const int64_t* tables;
+  int64_t H, KVH, G, NB, BS, nb, window;
+  float c;  // scale * log2(e): scores go straight to exp2 units
+  const Run* runs;
+  c10::BFloat16* vt;  // packed V^T: per (run, kv head, group) [64 dims][32 keys]
+};
+
+inline const c10::BFloat16* cache_row(const Problem& p, const c10::BFloat16* cache, int64_t r, int64_t h,
+                                      int64_t key) {
+  const int64_t block = p.tables[r * p.nb + key / p.BS];
+  return cache + ((h * p.NB + block) * p.BS + key % p.BS) * D;
+}
+
+// V^T of one group of 32 keys: dst[d * 32 + k] = V[lo + 32 * group + k][d]; zero past the run's
+// last key (rows there may hold anything, and 0 * NaN would poison the sums).
+void pack_values(const Problem& p, int64_t r, int64_t h, int64_t group) {
+  const Run& run = p.runs[r];
+  uint16_t* dst = reinterpret_cast<uint16_t*>(p.vt + run.packed + (h * run.groups + group) * D * TK);
+  const int64_t end = run.pos + run.n;
+  for (int64_t k = 0; k < TK; ++k) {
+    const int64_t key = run.lo + group * TK + k;
+    if (key >= end) {
+      for (int64_t d = 0; d < D; ++d) dst[d * TK + k] = 0;
+      continue;
+    }
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(cache_row(p, p.vc, r, h, key));
+    for (int64_t d = 0; d < D; ++d) dst[d * TK + k] = src[d];
+  }
+}
+
+constexpr int64_t kMaxGroup = 8;     // query heads per KV head handled in one item
+constexpr int64_t kChunkGroups = 32;  // 1,024 keys (256 KB of K and V^T) stay in L2 across heads
+
+struct Scratch {
+  alignas(64) uint32_t qt[kMaxGroup][2][16][16];  // Q^T pairs per head, per 32-dim half
+  alignas(64) float o[kMaxGroup][D][16];          // O^T per head between key chunks
+  alignas(64) float m[kMaxGroup][16];             // max used for exp2, per head and query
+  alignas(64) float l[kMaxGroup][16];             // softmax denominators
+  alignas(64) float s[TK][16];                    // S^T of the current 32 keys
+  alignas(64) uint16_t pt[16][32];                // P^T pairs: [key pair][query][2]
+  alignas(64) float tmp[D][16];                   // O^T during a rescale
+};
+
+struct Query {
+  int64_t qa, qb;     // first and last query position of the item
+  __m512i pos;        // per lane (padding lanes repeat the last position)
+};
+
+inline void store_o(float (*o)[16]) {
+  _tile_stored(0, o[0], 64);
+  _tile_stored(1, o[16], 64);
+  _tile_stored(2, o[32], 64);
+  _tile_stored(3, o[48], 64);
+}
+
+inline void load_o(float (*o)[16]) {
+  _tile_loadd(0, o[0], 64);
+  _tile_loadd(1, o[16], 64);
+  _tile_loadd(2, o[32], 64);
+  _tile_loadd(3, o[48], 64);
+}
+
+// Starts S^T (tiles 4-5: [key][query]) of the 32 keys from k0 for one head; the caller stores
+// it once the previous group's softmax is under way, so the AMX unit and the vector units
+// overlap.
+inline void issue_scores(const Problem& p, int64_t r, int64_t h, int64_t k0, const Query& qy,
+                         uint32_t (*qt)[16][16]) {
+  _tile_zero(4);
+  _tile_zero(5);
+  const c10::BFloat16* k_lo = cache_row(p, p.kc, r, h, k0);
+  const bool hi_live = k0 + 16 <= qy.qb;  // else those keys are all in the future
+  const c10::BFloat16* k_hi = hi_live ? cache_row(p, p.kc, r, h, k0 + 16) : nullptr;
+  for (int64_t half = 0; half < 2; ++half) {
+    _tile_loadd(7, qt[half], 64);
+    _tile_loadd(6, k_lo + half * 32, D * 2);
+    _tile_dpbf16ps(4, 6, 7);
+    if (hi_live) {
+      _tile_loadd(6, k_hi + half * 32, D * 2);
+      _tile_dpbf16ps(5, 6, 7);
+    }
+  }
+}
+
+// Online softmax of w.s against (m, l) and O^T (tiles 0-3) += V^T . P^T.
+inline void softmax_values(const Problem& p, const c10::BFloat16* vt, int64_t k0, const Query& qy, __m512& m_used,
+                           __m512& l, bool& started, Scratch& w) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 c = _mm512_set1_ps(p.c);
+  const bool edge = k0 + TK - 1 > qy.qa || (p.window > 0 && k0 <= qy.qb - p.window);
+  __m512 s[TK];
+  __m512 mx = _mm512_set1_ps(neg_inf);
+  for (int64_t j = 0; j < TK; ++j) {
+    s[j] = _mm512_load_ps(w.s[j]);
+    if (edge) {
+      const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
+      __mmask16 ok = _mm512_cmple_epi32_mask(key, qy.pos);
+      if (p.window > 0)
+        ok &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(qy.pos, _mm512_set1_epi32(static_cast<int>(p.window))));
+      s[j] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(neg_inf), s[j]);
+    }
+    mx = _mm512_max_ps(mx, s[j]);
+  }
+  const __m512 m_new = _mm512_mul_ps(mx, c);
+  const __mmask16 grow = _mm512_cmp_ps_mask(m_new, _mm512_add_ps(m_used, _mm512_set1_ps(kRescaleAt)), _CMP_GT_OQ);
+  if (grow) {
+    const __m512 alpha = _mm512_mask_blend_ps(grow, _mm512_set1_ps(1.f), exp2_ps(_mm512_sub_ps(m_used, m_new)));
+    if (started) {
+      store_o(w.tmp);
+      for (int64_t d = 0; d < D; ++d) _mm512_store_ps(w.tmp[d], _mm512_mul_ps(_mm512_load_ps(w.tmp[d]), alpha));
+      load_o(w.tmp);
+    }
+    l = _mm512_mul_ps(l, alpha);
+    m_used = _mm512_mask_mov_ps(m_used, grow, m_new);
+  }
+  // lanes that have seen no key yet keep -inf: use 0 there (their scores are -inf too)
+  const __m512 m_eff = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_used, _mm512_set1_ps(neg_inf), _CMP_EQ_OQ),
+                                            m_used, _mm512_setzero_ps());
+  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t j = 0; j < TK; j += 2) {
+    const __m512 p0 = exp2_ps(_mm512_fmsub_ps(s[j], c, m_eff));
+    const __m512 p1 = exp2_ps(_mm512_fmsub_ps(s[j + 1], c, m_eff));
+    l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+    const __m512bh both = _mm512_cvtne2ps_pbh(p1, p0);  // low 16 = p0, high 16 = p1
+    _mm512_store_si512(w.pt[j / 2], _mm512_permutexvar_epi16(pair_idx, reinterpret_cast<const __m512i&>(both)));
+  }
+  _tile_loadd(7, w.pt, 64);
+  _tile_loadd(6, vt, 64);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(6, vt + 16 * TK, 64);
+  _tile_dpbf16ps(1, 6, 7);
+  _tile_loadd(6, vt + 32 * TK, 64);
+  _tile_dpbf16ps(2, 6, 7);
+  _tile_loadd(6, vt + 48 * TK, 64);
+  _tile_dpbf16ps(3, 6, 7);
+  started = true;
+}
+
+// One item: query positions [qa, qa + valid) of run r for all G query heads of KV head h.
+// Keys go in chunks of 1,024; each chunk is read by the G heads in turn while it sits in L2.
+void attend(const Problem& p, int64_t r, int64_t h, int64_t tile, Scratch& w) {
+  const Run& run = p.runs[r];
+  const int64_t first = tile * TQ, valid = std::min<int64_t>(TQ, run.n - first);
+  Query qy;
+  qy.qa = run.pos + first;
+  qy.qb = qy.qa + valid - 1;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  qy.pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(qy.qa)), lane),
+                            _mm512_set1_epi32(static_cast<int>(qy.qb)));
+  for (int64_t g = 0; g < p.G; ++g) {  // Q^T in pairs (padding columns repeat the last query)
+    for (int64_t n = 0; n < TQ; ++n) {
+      const int64_t row = run.row + first + std::min(n, valid - 1);
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (row * p.H + h * p.G + g) * D);
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t pair = 0; pair < 16; ++pair) w.qt[g][half][pair][n] = src[half * 16 + pair];
+    }
+    _mm512_store_ps(w.m[g], _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+    _mm512_store_ps(w.l[g], _mm512_setzero_ps());
+  }
+  int64_t g_first = 0;
+  if (p.window > 0) g_first = std::max<int64_t>(0, (qy.qa - p.window + 1 - run.lo) / TK);
+  const int64_t g_last = (qy.qb - run.lo) / TK;
+  for (int64_t chunk = g_first; chunk <= g_last; chunk += kChunkGroups) {
+    const int64_t chunk_end = std::min(g_last, chunk + kChunkGroups - 1);
+    for (int64_t g = 0; g < p.G; ++g) {
+      bool started = chunk != g_first;
+      if (started) {
+        load_o(w.o[g]);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      __m512 m_used = _mm512_load_ps(w.m[g]), l = _mm512_load_ps(w.l[g]);
+      issue_scores(p, r, h, run.lo + chunk * TK, qy, w.qt[g]);
+      for (int64_t grp = chunk; grp <= chunk_end; ++grp) {
+        const int64_t k0 = run.lo + grp * TK;
+        _tile_stored(4, w.s[0], 64);
+        _tile_stored(5, w.s[16], 64);
+        if (grp < chunk_end) issue_scores(p, r, h, k0 + TK, qy, w.qt[g]);
+        softmax_values(p, p.vt + run.packed + (h * run.groups + grp) * D * TK, k0, qy, m_used, l, started, w);
+      }
+      store_o(w.o[g]);
+      _mm512_store_ps(w.m[g], m_used);
+      _mm512_store_ps(w.l[g], l);
+    }
+  }
+  for (int64_t g = 0; g < p.G; ++g) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(w.l[g])));
+    for (int64_t n = 0; n < valid; ++n) {
+      c10::BFloat16* dst = p.out + ((run.row + first + n) * p.H + h * p.G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(w.o[g][d][n] * inv[n]);
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+bool prompt_tiles_available() {
+#ifdef SWIFTSERVE_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables, torch::Tensor runs,
+                  torch::Tensor out, double scale, int64_t window) {
+#ifdef SWIFTSERVE_AMX
+  TORCH_CHECK(prompt_tiles_available(), "AMX tiles are not available to this process");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && kc.scalar_type() == torch::kBFloat16 &&
+                  vc.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "prompt_tiles: bfloat16 only");
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous(),
+              "prompt_tiles: contiguous inputs");
+  TORCH_CHECK(q.size(2) == D && kc.size(3) == D, "prompt_tiles: head_dim 64 only");
+  TORCH_CHECK(q.size(1) % kc.size(0) == 0 && q.size(1) / kc.size(0) <= kMaxGroup, "prompt_tiles: 1-8 query heads per KV head");
+  TORCH_CHECK(kc.size(2) % 16 == 0, "prompt_tiles: block_size must be a multiple of 16");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && runs.scalar_type() == torch::kLong, "int64 tables/runs");
+  auto tab = tables.contiguous();
+  auto rn = runs.contiguous();
+  const int64_t R = rn.size(0), KVH = kc.size(0);
+  std::vector<Run> list(R);
+  int64_t packed = 0;
+  const int64_t* rp = rn.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    Run& run = list[r];
+    run.row = rp[3 * r];
+    run.n = rp[3 * r + 1];
+    run.pos = rp[3 * r + 2];
+    run.lo = window > 0 ? std::max<int64_t>(0, run.pos - window + 1) / TK * TK : 0;
+    run.groups = (run.pos + run.n - run.lo + TK - 1) / TK;
+    run.packed = packed;
+    packed += KVH * run.groups * D * TK;
+  }
+  auto vt = torch::empty({std::max<int64_t>(packed, 1)}, q.options());
+  Problem p{q.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(),
+            out.data_ptr<c10::BFloat16>(), tab.data_ptr<int64_t>(), q.size(1), KVH, q.size(1) / KVH,
+            kc.size(1), kc.size(2), tab.size(1), window, static_cast<float>(scale * 1.4426950408889634),
+            list.data(), vt.data_ptr<c10::BFloat16>()};
+  // Items: (run, kv head, tile of 16 queries); dealt dynamically with the latest positions
+  // (the most keys) first, so the threads finish together.
+  std::vector<int64_t> pack_items, items;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t grp = 0; grp < list[r].groups; ++grp) pack_items.push_back((r * KVH + h) << 32 | grp);
+      for (int64_t t = 0; t < (list[r].n + TQ - 1) / TQ; ++t) items.push_back((r * KVH + h) << 32 | t);
+    }
+  std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) {
+    return list[(a >> 32) / KVH].pos + (a & 0xffffffff) * TQ > list[(b >> 32) / KVH].pos + (b & 0xffffffff) * TQ;
+  });
+  const int threads = at::get_num_threads();
+  const int64_t np = static_cast<int64_t>(pack_items.size()), ni = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < np; ++i) {
+      const int64_t rh = pack_items[i] >> 32;
+      pack_values(p, rh / KVH, rh % KVH, pack_items[i] & 0xffffffff);
+    }
+    load_tile_config();
+    auto w = std::make_unique<Scratch>();  // ~60 KB: not on an OpenMP thread's stack
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ni; ++i) {
+      const int64_t rh = items[i] >> 32;
+      attend(p, rh / KVH, rh % KVH, items[i] & 0xffffffff, *w);
+    }
+    _tile_release();
+  }
+#else
+  TORCH_CHECK(false, "prompt_tiles: built without AMX");
+#endif
+}
