@@ -18,7 +18,7 @@ from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import FCFSQueue, PriorityQueue
 from swiftserve.core.scheduler import Scheduler
 from swiftserve.core.slo import BudgetPlanner, Pending, SLOTargets
-from swiftserve.core.step_cost import StepCostModel
+from swiftserve.core.step_cost import StepCostModel, attention_pairs
 from swiftserve.sampling_params import SamplingParams
 
 
@@ -47,10 +47,18 @@ def true_cost(prompt_tokens: int, decode_rows: int) -> float:
     return 0.004 + 0.0001 * prompt_tokens + 0.0004 * decode_rows
 
 
-class SimEngine:
-    """A Scheduler on a simulated clock; each step advances the clock by true_cost."""
+def deep_cost(prompt_tokens: int, decode_rows: int, pairs: float) -> float:
+    """A machine whose prompt attention costs 20 ns per (query, key) pair on top of true_cost:
+    a 256-token chunk after 8k tokens costs 41 ms more, at the start of a prompt 0.7 ms."""
+    return true_cost(prompt_tokens, decode_rows) + 2e-8 * pairs
 
-    def __init__(self, targets: SLOTargets | None, max_budget: int = 2048):
+
+class SimEngine:
+    """A Scheduler on a simulated clock; each step advances the clock by true_cost (or by
+    deep_cost when ``deep``)."""
+
+    def __init__(self, targets: SLOTargets | None, max_budget: int = 2048, deep: bool = False):
+        self.deep = deep
         self.now = 0.0
         self.sched = Scheduler(
             BlockManager(4096, 16, enable_prefix_caching=False),
@@ -71,6 +79,11 @@ class SimEngine:
         out = self.sched.schedule()
         rows = sum(1 for item in out.scheduled if len(item.token_ids) == 1)
         seconds = true_cost(out.num_batched_tokens - rows, rows)
+        if self.deep:
+            pairs = sum(
+                attention_pairs(len(i.token_ids), i.start_pos) for i in out.scheduled if len(i.token_ids) > 1
+            )
+            seconds = deep_cost(out.num_batched_tokens - rows, rows, pairs)
         self.now += seconds
         self.step_times.append((seconds, rows))
         self.sched.observe_step(out, seconds)
@@ -301,3 +314,45 @@ def test_cost_model_fits_the_prefill_jump_and_the_planner_takes_big_chunks() -> 
     calm = planner.plan(16, min_bank_s=0.0, pending=[Pending(0.0, 64)])
     rushed = planner.plan(16, min_bank_s=0.0, pending=[Pending(0.45, 4096)])
     assert planner.ttft_risk and rushed - 16 >= min(4096 - 16, big) > calm - 16
+
+
+def test_cost_model_fits_the_attention_context_term() -> None:
+    """Chunks deep in a long prompt cost more per token (their attention reaches back over the
+    whole context): the model fits a per-pair term once it has seen such steps, and the
+    largest chunk it allows after a long context fits the time asked for."""
+    model = StepCostModel(min_samples=4, refit_every=1)
+    rng = random.Random(5)
+    for _ in range(200):
+        k, rows, ctx = rng.randint(0, 1024), rng.randint(1, 32), rng.choice([0, 0, 2000, 8000])
+        pairs = attention_pairs(k, ctx) if k else 0.0
+        model.observe(k, rows, deep_cost(k, rows, pairs), pairs)
+    assert model.per_pair == pytest.approx(2e-8, rel=0.1)
+    for ctx in (0, 1000, 8000):
+        c = model.max_prompt_tokens(0.03, 8, context=ctx)
+        assert deep_cost(c, 8, attention_pairs(c, ctx)) <= 0.03 * 1.02
+        assert deep_cost(c + 8, 8, attention_pairs(c + 8, ctx)) > 0.03 * 0.98  # the largest, near enough
+    assert model.max_prompt_tokens(0.03, 8, context=8000) < model.max_prompt_tokens(0.03, 8) / 2
+
+
+def test_planner_keeps_tpot_while_a_long_prompt_is_prefilled() -> None:
+    """8 requests decode; a 6,000-token prompt arrives. With a TPOT target the planner's
+    chunks shrink as the prompt's context grows, so every step stays near the target; the
+    default (sqrt cap only) lets steps deep in the prompt cost several times more."""
+
+    def run(targets: SLOTargets | None) -> SimEngine:
+        sim = SimEngine(targets, deep=True)
+        for i in range(8):
+            sim.add(req(f"steady{i}", 0.0, prompt=64, max_tokens=400))
+        for _ in range(40):
+            sim.step()
+        sim.add(req("long", sim.now, prompt=6000, max_tokens=2))
+        while sim.sched.has_unfinished():
+            sim.step()
+        return sim
+
+    target = 0.03
+    adaptive, fixed = run(SLOTargets(tpot_s=target)), run(None)
+    worst = max(seconds for seconds, rows in adaptive.step_times if rows)
+    assert worst <= target * 1.1  # steps carrying decode rows stay near the target
+    assert max(seconds for seconds, rows in fixed.step_times if rows) > 3 * target
+    assert adaptive.finished["long"].status == RequestStatus.FINISHED_LENGTH

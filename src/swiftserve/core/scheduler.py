@@ -44,7 +44,7 @@ from swiftserve.core.outputs import (
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import PriorityQueue, make_queue
 from swiftserve.core.slo import BudgetPlanner, SLOTargets
-from swiftserve.core.step_cost import StepCostModel, long_context_chunk
+from swiftserve.core.step_cost import StepCostModel, attention_pairs, long_context_chunk
 
 
 class Scheduler:
@@ -312,7 +312,12 @@ class Scheduler:
         if sched.scheduled:
             self.num_steps += 1
             self.scheduled_rows += len(sched.scheduled)
-            self.cost.observe(sched.num_batched_tokens - rows, rows, seconds)
+            pairs = sum(
+                attention_pairs(len(item.token_ids), item.start_pos)
+                for item in sched.scheduled
+                if len(item.token_ids) > 1
+            )
+            self.cost.observe(sched.num_batched_tokens - rows, rows, seconds, pairs)
 
     def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
         """Priority policy: make room for ``request`` by preempting a worse running one."""

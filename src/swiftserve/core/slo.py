@@ -67,6 +67,7 @@ class Pending:
 
     waited_s: float
     prompt_tokens_left: int
+    context: int = 0  # tokens already computed (the next chunk attends to them too)
 
 
 class BudgetPlanner:
@@ -104,10 +105,13 @@ class BudgetPlanner:
             self.last_budget = self.max_budget  # nothing to protect, or nothing known yet
             return self.max_budget
         limit = tpot * (1.0 - self.margin)
+        pending = list(pending)
         self.ttft_risk = self._ttft_at_risk(decode_rows, limit, pending)
         if self.ttft_risk:
             limit += self.spend * max(0.0, min_bank_s)
-        chunk = self.model.max_prompt_tokens(limit, decode_rows)
+        # the next chunk is the first pending prompt's: deep in a long prompt it costs more
+        context = pending[0].context if pending else 0
+        chunk = self.model.max_prompt_tokens(limit, decode_rows, context)
         if self.ttft_risk:  # a prompt is late: where steps with prompt tokens pay a jump, few big chunks
             chunk = max(chunk, min(self.max_budget, self.model.efficient_chunk()))
         room = max(0, self.max_budget - decode_rows)
@@ -124,8 +128,12 @@ class BudgetPlanner:
                 decode_rows += 1
                 min_bank = min(min_bank, tpot * (r.num_output_tokens - 1) - (now - r.first_token_time))
             else:
-                pending.append(Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens))
-        pending += [Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens) for r in waiting]
+                left = r.num_tokens - r.num_computed_tokens
+                pending.append(Pending(now - r.arrival_time, left, r.num_computed_tokens))
+        pending += [
+            Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
+            for r in waiting
+        ]
         return self.plan(decode_rows, 0.0 if min_bank == float("inf") else min_bank, pending)
 
     def _ttft_at_risk(self, decode_rows: int, limit: float, pending: Iterable[Pending]) -> bool:
