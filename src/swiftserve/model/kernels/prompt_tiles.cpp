@@ -115,20 +115,39 @@ inline const c10::BFloat16* cache_row(const Problem& p, const c10::BFloat16* cac
   return cache + ((h * p.NB + block) * p.BS + key % p.BS) * D;
 }
 
+// A 32x32 transpose of 16-bit elements in registers: five butterfly levels; at level b, rows
+// i and i + b swap their off-diagonal b-wide blocks (two vpermt2w per pair of rows).
+inline void transpose32x32_u16(__m512i (&m)[32]) {
+  for (int b = 16; b >= 1; b /= 2) {
+    alignas(64) uint16_t lo_idx[32], hi_idx[32];
+    for (int d = 0; d < 32; ++d) {
+      lo_idx[d] = static_cast<uint16_t>((d & b) ? 32 + d - b : d);
+      hi_idx[d] = static_cast<uint16_t>((d & b) ? 32 + d : d + b);
+    }
+    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+    for (int i = 0; i < 32; ++i) {
+      if (i & b) continue;
+      const __m512i a = m[i], c = m[i + b];
+      m[i] = _mm512_permutex2var_epi16(a, lo, c);
+      m[i + b] = _mm512_permutex2var_epi16(a, hi, c);
+    }
+  }
+}
+
 // V^T of one group of 32 keys: dst[d * 32 + k] = V[lo + 32 * group + k][d]; zero past the run's
 // last key (rows there may hold anything, and 0 * NaN would poison the sums).
 void pack_values(const Problem& p, int64_t r, int64_t h, int64_t group) {
   const Run& run = p.runs[r];
-  uint16_t* dst = reinterpret_cast<uint16_t*>(p.vt + run.packed + (h * run.groups + group) * D * TK);
+  c10::BFloat16* dst = p.vt + run.packed + (h * run.groups + group) * D * TK;
   const int64_t end = run.pos + run.n;
-  for (int64_t k = 0; k < TK; ++k) {
-    const int64_t key = run.lo + group * TK + k;
-    if (key >= end) {
-      for (int64_t d = 0; d < D; ++d) dst[d * TK + k] = 0;
-      continue;
+  for (int64_t half = 0; half < 2; ++half) {  // dims 0-31, then 32-63
+    __m512i m[32];
+    for (int64_t k = 0; k < TK; ++k) {
+      const int64_t key = run.lo + group * TK + k;
+      m[k] = key < end ? _mm512_loadu_si512(cache_row(p, p.vc, r, h, key) + half * 32) : _mm512_setzero_si512();
     }
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(cache_row(p, p.vc, r, h, key));
-    for (int64_t d = 0; d < D; ++d) dst[d * TK + k] = src[d];
+    transpose32x32_u16(m);
+    for (int64_t d = 0; d < 32; ++d) _mm512_store_si512(dst + (half * 32 + d) * TK, m[d]);
   }
 }
 
@@ -240,9 +259,9 @@ inline void softmax_values(const Problem& p, const c10::BFloat16* vt, int64_t k0
   started = true;
 }
 
-// One item: query positions [qa, qa + valid) of run r for all G query heads of KV head h.
-// Keys go in chunks of 1,024; each chunk is read by the G heads in turn while it sits in L2.
-void attend(const Problem& p, int64_t r, int64_t h, int64_t tile, Scratch& w) {
+// One item: query positions [qa, qa + valid) of run r for query heads [g0, g1) of KV head h.
+// Keys go in chunks of 1,024; each chunk is read by those heads in turn while it sits in L2.
+void attend(const Problem& p, int64_t r, int64_t h, int64_t tile, int64_t g0, int64_t g1, Scratch& w) {
   const Run& run = p.runs[r];
   const int64_t first = tile * TQ, valid = std::min<int64_t>(TQ, run.n - first);
   Query qy;
@@ -251,7 +270,7 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t tile, Scratch& w) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   qy.pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(qy.qa)), lane),
                             _mm512_set1_epi32(static_cast<int>(qy.qb)));
-  for (int64_t g = 0; g < p.G; ++g) {  // Q^T in pairs (padding columns repeat the last query)
+  for (int64_t g = g0; g < g1; ++g) {  // Q^T in pairs (padding columns repeat the last query)
     for (int64_t n = 0; n < TQ; ++n) {
       const int64_t row = run.row + first + std::min(n, valid - 1);
       const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (row * p.H + h * p.G + g) * D);
@@ -266,7 +285,7 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t tile, Scratch& w) {
   const int64_t g_last = (qy.qb - run.lo) / TK;
   for (int64_t chunk = g_first; chunk <= g_last; chunk += kChunkGroups) {
     const int64_t chunk_end = std::min(g_last, chunk + kChunkGroups - 1);
-    for (int64_t g = 0; g < p.G; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       bool started = chunk != g_first;
       if (started) {
         load_o(w.o[g]);
@@ -290,7 +309,7 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t tile, Scratch& w) {
       _mm512_store_ps(w.l[g], l);
     }
   }
-  for (int64_t g = 0; g < p.G; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     alignas(64) float inv[16];
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(w.l[g])));
     for (int64_t n = 0; n < valid; ++n) {
@@ -340,23 +359,32 @@ void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Te
     run.packed = packed;
     packed += KVH * run.groups * D * TK;
   }
-  auto vt = torch::empty({std::max<int64_t>(packed, 1)}, q.options());
+  // Reused across calls: a fresh multi-MB buffer per layer came back as fresh pages from the
+  // OS each time (page faults cost more than the packing itself on small chunks).
+  thread_local torch::Tensor vt;
+  if (!vt.defined() || vt.numel() < packed) vt = torch::empty({std::max<int64_t>(packed, 1) * 5 / 4}, q.options());
   Problem p{q.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(),
             out.data_ptr<c10::BFloat16>(), tab.data_ptr<int64_t>(), q.size(1), KVH, q.size(1) / KVH,
             kc.size(1), kc.size(2), tab.size(1), window, static_cast<float>(scale * 1.4426950408889634),
             list.data(), vt.data_ptr<c10::BFloat16>()};
-  // Items: (run, kv head, tile of 16 queries); dealt dynamically with the latest positions
-  // (the most keys) first, so the threads finish together.
+  // Items: (run, kv head, tile of 16 queries, share of the G query heads); dealt dynamically
+  // with the latest positions (the most keys) first, so the threads finish together. A small
+  // chunk (a few tiles) splits its heads over items too, or most threads would wait.
+  const int threads = at::get_num_threads();
+  int64_t tiles = 0;
+  for (int64_t r = 0; r < R; ++r) tiles += KVH * ((list[r].n + TQ - 1) / TQ);
+  const int64_t shares = tiles < 4 * threads ? p.G : 1;
   std::vector<int64_t> pack_items, items;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < KVH; ++h) {
       for (int64_t grp = 0; grp < list[r].groups; ++grp) pack_items.push_back((r * KVH + h) << 32 | grp);
-      for (int64_t t = 0; t < (list[r].n + TQ - 1) / TQ; ++t) items.push_back((r * KVH + h) << 32 | t);
+      for (int64_t t = 0; t < (list[r].n + TQ - 1) / TQ; ++t)
+        for (int64_t share = 0; share < shares; ++share) items.push_back((r * KVH + h) << 32 | (t * shares + share));
     }
   std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) {
-    return list[(a >> 32) / KVH].pos + (a & 0xffffffff) * TQ > list[(b >> 32) / KVH].pos + (b & 0xffffffff) * TQ;
+    const int64_t ta = (a & 0xffffffff) / shares, tb = (b & 0xffffffff) / shares;
+    return list[(a >> 32) / KVH].pos + ta * TQ > list[(b >> 32) / KVH].pos + tb * TQ;
   });
-  const int threads = at::get_num_threads();
   const int64_t np = static_cast<int64_t>(pack_items.size()), ni = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(threads)
   {
@@ -369,8 +397,8 @@ void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Te
     auto w = std::make_unique<Scratch>();  // ~60 KB: not on an OpenMP thread's stack
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ni; ++i) {
-      const int64_t rh = items[i] >> 32;
-      attend(p, rh / KVH, rh % KVH, items[i] & 0xffffffff, *w);
+      const int64_t rh = items[i] >> 32, ts = items[i] & 0xffffffff, share = ts % shares;
+      attend(p, rh / KVH, rh % KVH, ts / shares, share * p.G / shares, (share + 1) * p.G / shares, *w);
     }
     _tile_release();
   }
