@@ -81,8 +81,9 @@ void load_tile_config() {
 // 2^x for x <= ~8: round to nearest, a degree-4 polynomial for 2^f on [-0.5, 0.5] (fitted;
 // relative error below 3e-6, far under the bf16 rounding of the probabilities), scalef for the
 // exponent. -inf and NaN come out as 0 (clamped to 2^-150).
+template <bool Clamp>
 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
+  if constexpr (Clamp) x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));  // only where -inf can occur
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(0.009560510206479118f);
@@ -160,7 +161,7 @@ struct Scratch {
   alignas(64) float m[kMaxGroup][16];             // max used for exp2, per head and query
   alignas(64) float l[kMaxGroup][16];             // softmax denominators
   alignas(64) float s[TK][16];                    // S^T of the current 32 keys
-  alignas(64) uint16_t pt[16][32];                // P^T pairs: [key pair][query][2]
+  alignas(64) uint16_t pt[2][16][32];             // P^T pairs: [key pair][query][2], two groups
   alignas(64) float tmp[D][16];                   // O^T during a rescale
 };
 
@@ -204,29 +205,50 @@ inline void issue_scores(const Problem& p, int64_t r, int64_t h, int64_t k0, con
   }
 }
 
+// P^T pairs (bf16) into w.pt from the scores, and their sum into l.
+template <bool Clamp>
+inline void probabilities(const float (*s)[16], __m512 c, __m512 m_eff, __m512& l, uint16_t (*pt)[32]) {
+  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t j = 0; j < TK; j += 2) {
+    const __m512 p0 = exp2_ps<Clamp>(_mm512_fmsub_ps(_mm512_load_ps(s[j]), c, m_eff));
+    const __m512 p1 = exp2_ps<Clamp>(_mm512_fmsub_ps(_mm512_load_ps(s[j + 1]), c, m_eff));
+    sum[(j / 2) & 1] = _mm512_add_ps(sum[(j / 2) & 1], _mm512_add_ps(p0, p1));
+    const __m512bh both = _mm512_cvtne2ps_pbh(p1, p0);  // low 16 = p0, high 16 = p1
+    _mm512_store_si512(pt[j / 2], _mm512_permutexvar_epi16(pair_idx, reinterpret_cast<const __m512i&>(both)));
+  }
+  l = _mm512_add_ps(l, _mm512_add_ps(sum[0], sum[1]));
+}
+
 // Online softmax of w.s against (m, l) and O^T (tiles 0-3) += V^T . P^T.
-inline void softmax_values(const Problem& p, const c10::BFloat16* vt, int64_t k0, const Query& qy, __m512& m_used,
-                           __m512& l, bool& started, Scratch& w) {
+inline void softmax(const Problem& p, int64_t k0, const Query& qy, __m512& m_used, __m512& l, bool started,
+                    uint16_t (*pt)[32], Scratch& w) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 c = _mm512_set1_ps(p.c);
   const bool edge = k0 + TK - 1 > qy.qa || (p.window > 0 && k0 <= qy.qb - p.window);
-  __m512 s[TK];
-  __m512 mx = _mm512_set1_ps(neg_inf);
+  // Two passes over the scores in L1 (max, then exp) rather than 32 zmm held across both:
+  // that many live registers spilled.
+  // four running maxima: one chain of 32 dependent vmaxps was on every group's critical path
+  __m512 mx4[4] = {_mm512_set1_ps(neg_inf), _mm512_set1_ps(neg_inf), _mm512_set1_ps(neg_inf),
+                   _mm512_set1_ps(neg_inf)};
   for (int64_t j = 0; j < TK; ++j) {
-    s[j] = _mm512_load_ps(w.s[j]);
+    __m512 sj = _mm512_load_ps(w.s[j]);
     if (edge) {
       const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
       __mmask16 ok = _mm512_cmple_epi32_mask(key, qy.pos);
       if (p.window > 0)
         ok &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(qy.pos, _mm512_set1_epi32(static_cast<int>(p.window))));
-      s[j] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(neg_inf), s[j]);
+      sj = _mm512_mask_blend_ps(ok, _mm512_set1_ps(neg_inf), sj);
+      _mm512_store_ps(w.s[j], sj);
     }
-    mx = _mm512_max_ps(mx, s[j]);
+    mx4[j & 3] = _mm512_max_ps(mx4[j & 3], sj);
   }
+  const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
   const __m512 m_new = _mm512_mul_ps(mx, c);
   const __mmask16 grow = _mm512_cmp_ps_mask(m_new, _mm512_add_ps(m_used, _mm512_set1_ps(kRescaleAt)), _CMP_GT_OQ);
   if (grow) {
-    const __m512 alpha = _mm512_mask_blend_ps(grow, _mm512_set1_ps(1.f), exp2_ps(_mm512_sub_ps(m_used, m_new)));
+    const __m512 alpha = _mm512_mask_blend_ps(grow, _mm512_set1_ps(1.f), exp2_ps<true>(_mm512_sub_ps(m_used, m_new)));
     if (started) {
       store_o(w.tmp);
       for (int64_t d = 0; d < D; ++d) _mm512_store_ps(w.tmp[d], _mm512_mul_ps(_mm512_load_ps(w.tmp[d]), alpha));
@@ -238,16 +260,17 @@ inline void softmax_values(const Problem& p, const c10::BFloat16* vt, int64_t k0
   // lanes that have seen no key yet keep -inf: use 0 there (their scores are -inf too)
   const __m512 m_eff = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_used, _mm512_set1_ps(neg_inf), _CMP_EQ_OQ),
                                             m_used, _mm512_setzero_ps());
-  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t j = 0; j < TK; j += 2) {
-    const __m512 p0 = exp2_ps(_mm512_fmsub_ps(s[j], c, m_eff));
-    const __m512 p1 = exp2_ps(_mm512_fmsub_ps(s[j + 1], c, m_eff));
-    l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
-    const __m512bh both = _mm512_cvtne2ps_pbh(p1, p0);  // low 16 = p0, high 16 = p1
-    _mm512_store_si512(w.pt[j / 2], _mm512_permutexvar_epi16(pair_idx, reinterpret_cast<const __m512i&>(both)));
-  }
-  _tile_loadd(7, w.pt, 64);
+  // masked scores are -inf: only edge groups and lanes with no key yet need the clamp
+  const bool clamp = edge || _mm512_cmp_ps_mask(m_eff, m_used, _CMP_NEQ_UQ) != 0;
+  if (clamp)
+    probabilities<true>(w.s, c, m_eff, l, pt);
+  else
+    probabilities<false>(w.s, c, m_eff, l, pt);
+}
+
+// O^T (tiles 0-3) += V^T . P^T for one group of 32 keys.
+inline void issue_values(const c10::BFloat16* vt, uint16_t (*pt)[32]) {
+  _tile_loadd(7, pt, 64);
   _tile_loadd(6, vt, 64);
   _tile_dpbf16ps(0, 6, 7);
   _tile_loadd(6, vt + 16 * TK, 64);
@@ -256,7 +279,6 @@ inline void softmax_values(const Problem& p, const c10::BFloat16* vt, int64_t k0
   _tile_dpbf16ps(2, 6, 7);
   _tile_loadd(6, vt + 48 * TK, 64);
   _tile_dpbf16ps(3, 6, 7);
-  started = true;
 }
 
 // One item: query positions [qa, qa + valid) of run r for query heads [g0, g1) of KV head h.
@@ -296,14 +318,22 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t tile, int64_t g0, in
         _tile_zero(3);
       }
       __m512 m_used = _mm512_load_ps(w.m[g]), l = _mm512_load_ps(w.l[g]);
+      // Software pipeline: while the vector units run the softmax of group j, the AMX unit
+      // has P.V of group j - 1 and the scores of group j + 1 queued (issued just before).
+      const c10::BFloat16* vt = p.vt + run.packed + h * run.groups * D * TK;
       issue_scores(p, r, h, run.lo + chunk * TK, qy, w.qt[g]);
       for (int64_t grp = chunk; grp <= chunk_end; ++grp) {
         const int64_t k0 = run.lo + grp * TK;
         _tile_stored(4, w.s[0], 64);
         _tile_stored(5, w.s[16], 64);
+        if (grp > chunk) {
+          issue_values(vt + (grp - 1) * D * TK, w.pt[(grp - 1) & 1]);
+          started = true;
+        }
         if (grp < chunk_end) issue_scores(p, r, h, k0 + TK, qy, w.qt[g]);
-        softmax_values(p, p.vt + run.packed + (h * run.groups + grp) * D * TK, k0, qy, m_used, l, started, w);
+        softmax(p, k0, qy, m_used, l, started, w.pt[grp & 1], w);
       }
+      issue_values(vt + chunk_end * D * TK, w.pt[chunk_end & 1]);
       store_o(w.o[g]);
       _mm512_store_ps(w.m[g], m_used);
       _mm512_store_ps(w.l[g], l);
