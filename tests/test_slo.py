@@ -312,8 +312,13 @@ def test_cost_model_fits_the_prefill_jump_and_the_planner_takes_big_chunks() -> 
     assert big == pytest.approx(4 * jump / 1e-4, rel=0.2)  # prompt work >= 4x the jump it pays
     planner = BudgetPlanner(SLOTargets(ttft_s=0.5, tpot_s=0.04), 4096, model)
     calm = planner.plan(16, min_bank_s=0.0, pending=[Pending(0.0, 64)])
+    # what fits the target is below the efficient chunk: decode alone until a TTFT is at risk
+    # (small chunks would each pay the jump and stretch the very steps they protect)
+    assert not planner.ttft_risk and calm == 16
     rushed = planner.plan(16, min_bank_s=0.0, pending=[Pending(0.45, 4096)])
     assert planner.ttft_risk and rushed - 16 >= min(4096 - 16, big) > calm - 16
+    no_ttft = BudgetPlanner(SLOTargets(tpot_s=0.04), 4096, model)  # no risk signal: small chunks
+    assert no_ttft.plan(16, min_bank_s=0.0, pending=[Pending(0.0, 64)]) > 16
 
 
 def test_cost_model_fits_the_attention_context_term() -> None:

@@ -112,8 +112,15 @@ class BudgetPlanner:
         # the next chunk is the first pending prompt's: deep in a long prompt it costs more
         context = pending[0].context if pending else 0
         chunk = self.model.max_prompt_tokens(limit, decode_rows, context)
+        efficient = min(self.max_budget, self.model.efficient_chunk())
         if self.ttft_risk:  # a prompt is late: where steps with prompt tokens pay a jump, few big chunks
-            chunk = max(chunk, min(self.max_budget, self.model.efficient_chunk()))
+            chunk = max(chunk, efficient)
+        elif chunk < efficient and self.targets.ttft_s is not None:
+            # Every chunk that fits would mostly pay the jump (and stretch the decode steps it
+            # was meant to protect): decode alone until a prompt's TTFT is at risk, then one
+            # big chunk. Without a TTFT target there is no such signal: keep the small chunk.
+            self.last_budget = decode_rows
+            return self.last_budget
         room = max(0, self.max_budget - decode_rows)
         self.last_budget = decode_rows + min(room, max(self.min_chunk, chunk))
         return self.last_budget
