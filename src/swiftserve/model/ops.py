@@ -129,14 +129,8 @@ class TorchOps:
         """Whether prompt runs of ``TILE_MIN_ROWS``+ rows go to ``prompt_tiles``."""
         return False
 
-    def prompt_tiles(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
+    def prompt_tiles(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, out: torch.Tensor) -> None:  # fmt: skip
         """Attention of the prompt runs in ``meta.tiles``, written into their rows of ``out``."""
         raise NotImplementedError
 
@@ -252,14 +246,8 @@ class CpuOps(TorchOps):
             and bool(self.cpp.prompt_tiles_available())
         )
 
-    def prompt_tiles(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
+    def prompt_tiles(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, out: torch.Tensor) -> None:  # fmt: skip
         tiles = meta.tiles
         assert tiles is not None
         self.cpp.prompt_tiles(
