@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -115,9 +116,24 @@ def test_three_uneven_stages(five_layers: Path) -> None:
     assert llm.engine.max_in_flight >= 2
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (the engine listens for stages on master_port + 1): a
+    single free port flaked in CI when P + 1 was taken."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return int(port)
+    raise RuntimeError("no two consecutive free ports")
+
+
 def test_two_machines_on_one_host(llama_dir: Path) -> None:
     """Node 0 (the engine, stage 0) and a headless node 1 (stage 1) meet at master addr:port."""
-    port = free_port()
+    port = free_port_pair()
     common = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
     common += ["--master-port", str(port), "--num-threads", "1"]
     node1 = subprocess.Popen(
