@@ -123,7 +123,7 @@ def build_name() -> str:
     # The checkout's path too: torch's build folder records absolute source paths, so two
     # checkouts sharing one name would rebuild over each other on every switch.
     digest = hashlib.sha256(",".join((*cpu_isa(), str(here.resolve()))).encode())
-    for name in (*_SOURCES, "ops.h", "simd.h", "split.h"):
+    for name in (*_SOURCES, "ops.h", "simd.h", "split.h", "amx.h"):
         path = here / name
         if path.is_file():
             digest.update(path.read_bytes())
