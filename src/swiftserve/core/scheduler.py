@@ -318,6 +318,8 @@ class Scheduler:
                 if len(item.token_ids) > 1
             )
             self.cost.observe(sched.num_batched_tokens - rows, rows, seconds, pairs)
+            if self.planner is not None:
+                self.planner.observe_step(seconds, rows)
 
     def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
         """Priority policy: make room for ``request`` by preempting a worse running one."""

@@ -10,6 +10,13 @@ the one at risk (a burst waiting whose predicted first tokens would miss the TTF
 the step may also spend ``spend`` of the smallest bank among the decode rows: bigger prefill
 chunks exactly when they help, paid for with time the running requests do not need.
 
+Where the chunk that fits under the target is too small to pay its way (a step with any
+prompt token pays a fixed jump; a chunk deep in a long prompt re-reads the whole context),
+the planner paces instead: steps with decode rows earn credit, the time they ran under the
+target (measured, capped at ``CREDIT_STEPS`` targets); decode-only steps build it up, and a
+chunk runs when the credit pays for an efficient one. TPOT is a mean: it holds over a window
+of steps, not in every gap, and the prompt advances in efficient chunks.
+
 Feedback on what was measured, over sliding windows of finished requests: a TPOT P99 above
 target raises ``margin`` (smaller chunks); P99 with headroom lowers it, down to a negative
 margin (the model is pessimistic); a TTFT P99 above target raises ``spend``. After a
@@ -75,6 +82,7 @@ class BudgetPlanner:
 
     MARGIN_RANGE = (-0.3, 0.5)
     SPEND_RANGE = (0.25, 1.0)
+    CREDIT_STEPS = 16  # credit is capped at this many TPOT targets: the longest stall a chunk adds
 
     def __init__(
         self,
@@ -97,6 +105,8 @@ class BudgetPlanner:
         self._finished = 0
         self.last_budget = max_budget
         self.ttft_risk = False
+        self.credit = 0.0  # seconds the recent decode steps ran under the limit (_paced_chunk)
+        self.credit_cap = self.CREDIT_STEPS * (targets.tpot_s or 0.0)
 
     def plan(self, decode_rows: int, min_bank_s: float, pending: Iterable[Pending]) -> int:
         """This step's token budget (decode rows included)."""
@@ -115,15 +125,41 @@ class BudgetPlanner:
         efficient = min(self.max_budget, self.model.efficient_chunk())
         if self.ttft_risk:  # a prompt is late: where steps with prompt tokens pay a jump, few big chunks
             chunk = max(chunk, efficient)
-        elif chunk < efficient and self.targets.ttft_s is not None:
-            # Every chunk that fits would mostly pay the jump (and stretch the decode steps it
-            # was meant to protect): decode alone until a prompt's TTFT is at risk, then one
-            # big chunk. Without a TTFT target there is no such signal: keep the small chunk.
-            self.last_budget = decode_rows
-            return self.last_budget
+        elif chunk < efficient:
+            # Every chunk that fits would mostly pay the jump or re-read a long context (and
+            # stretch the decode steps it was meant to protect): pace instead, decode alone
+            # while credit builds up, then one chunk the credit pays for.
+            chunk = self._paced_chunk(decode_rows, limit, min_bank_s, context, efficient)
+            if chunk == 0:
+                self.last_budget = decode_rows
+                return self.last_budget
         room = max(0, self.max_budget - decode_rows)
         self.last_budget = decode_rows + min(room, max(self.min_chunk, chunk))
         return self.last_budget
+
+    def _paced_chunk(
+        self, decode_rows: int, limit: float, min_bank_s: float, context: int, efficient: int
+    ) -> int:
+        """The chunk this step's credit pays for, or 0 (decode alone and build credit).
+
+        Credit is what the steps with decode rows have run under ``limit`` lately (measured,
+        capped, see ``observe_step``), and no more than any running request has banked, so
+        each request's TPOT holds over a window of ``CREDIT_STEPS`` target times while the
+        prompt advances in chunks big enough to be efficient. Progress is guaranteed: with
+        full credit, or where decode steps alone miss the target, whatever fits is taken.
+        """
+        allowance = max(0.0, min(self.credit, min_bank_s))
+        chunk = self.model.max_prompt_tokens(limit + allowance, decode_rows, context)
+        stuck = self.credit >= self.credit_cap or self.model.predict(0, decode_rows) >= limit
+        return chunk if chunk >= efficient or stuck else 0
+
+    def observe_step(self, seconds: float, decode_rows: int) -> None:
+        """A step ran: steps with decode rows earn (or spend) ``limit - seconds`` of credit."""
+        tpot = self.targets.tpot_s
+        if tpot is None or decode_rows == 0:
+            return
+        earned = self.credit + tpot * (1.0 - self.margin) - seconds
+        self.credit = max(-self.credit_cap, min(self.credit_cap, earned))
 
     def plan_requests(self, running: Iterable[Request], waiting: Iterable[Request], now: float) -> int:
         """``plan`` from the requests themselves: the decode rows and the smallest TPOT time
@@ -192,4 +228,5 @@ class BudgetPlanner:
             "step_budget": float(self.last_budget),
             "budget_margin": self.margin,
             "budget_spend": self.spend,
+            "budget_credit_s": self.credit,
         }
