@@ -201,7 +201,32 @@ def test_ngram_proposer_longest_latest_match() -> None:
     asks_prompt_lps = Request("g", [1, 2, 1, 2], SamplingParams(prompt_logprobs=1), max_tokens=9)
     assert proposer.propose(asks_prompt_lps, limit=5) == []  # not eligible: one token a step
     penalised = Request("p", [1, 2, 1, 2], SamplingParams(repetition_penalty=1.2), max_tokens=9)
-    assert proposer.propose(penalised, limit=5) == [1, 2]  # penalties are applied per draft position
+    # penalties are applied per draft position; a loop shorter than k goes round again
+    assert proposer.propose(penalised, limit=5) == [1, 2, 1]
+    drifted = Request("d", [5, 1, 7, 5, 1, 8, 5, 1], SamplingParams(), max_tokens=9)
+    assert proposer.propose(drifted, limit=5) == [8, 5, 1]  # the latest "5 1", not the first
+
+
+def test_ngram_backs_off_only_where_drafts_keep_failing() -> None:
+    """A request whose drafts are never accepted stops proposing (a probe one step in
+    MAX_COOLDOWN + 1); one accepted about a third of the time keeps verifying every step,
+    misses and all (a miss costs a few rows, an accepted draft a whole step)."""
+    from swiftserve.core.ngram import MAX_COOLDOWN
+
+    def proposing_steps(accepted_of_3: list[int], steps: int) -> int:
+        proposer = NgramProposer(k=3, min_n=1, max_n=2)
+        req = Request("r", [1, 2, 1, 2, 1, 2], SamplingParams(), max_tokens=10_000)
+        proposed = 0
+        for step in range(steps):
+            if proposer.propose(req, limit=8):
+                proposed += 1
+                proposer.observe("r", 3, accepted_of_3[step % len(accepted_of_3)])
+        return proposed
+
+    never = proposing_steps([0], 400)
+    assert never < 400 / (MAX_COOLDOWN + 1) + 20  # backed off: probes only
+    assert proposing_steps([0, 0, 3], 400) == 400  # a third accepted (all-or-nothing): always
+    assert proposing_steps([1], 400) == 400
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,23 @@
 //
 // Rounding: fp32 sums rounded once to bf16 (round to nearest even), like oneDNN, but summed
 // in another order, so results differ from F.linear in the last bf16 bit now and then.
+//
+// AMX CPUs, up to AMX_MAX_ROWS rows (decode batches, speculative verification): the same
+// panels are AMX B operands as they are (16 pairs of input features x 16 columns, rows 192
+// bytes apart), so a tile product covers 16 rows x 16 columns x 32 inputs at once. One row
+// streams the weight at memory speed either way; 4 rows cost 1.5x one on the vector path
+// (the vdpbf16ps work grows with the rows) and about one on AMX. Every row count up to
+// AMX_MAX_ROWS takes this path, so a row's result does not depend on the batch it is in.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <cstring>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
+#endif
+#include "amx.h"
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define SWIFTSERVE_AMX_GEMM 1
 #endif
 
 namespace {
@@ -109,6 +121,55 @@ void panel_rows(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K
 }
 #endif
 
+#ifdef SWIFTSERVE_AMX_GEMM
+constexpr int64_t AMX_MAX_ROWS = 16;
+
+// Tiles: 0 the rows of x (M x 32 inputs), 1-3 the panel's three 16-column B operands, 4-6
+// the M x 16 sums of each.
+void amx_config(int rows) {
+  swiftserve_amx::TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 7; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t >= 1 && t <= 3 ? 16 : rows);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// All M (<= 16) rows of x against one panel; K2 a multiple of 16.
+void amx_panel(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K2, const uint16_t* bias, uint16_t* c,
+               int64_t ldc, int ncols, int64_t M) {
+  alignas(64) float sums[AMX_MAX_ROWS][NB];
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  for (int64_t k2 = 0; k2 < K2; k2 += 16) {
+    const uint16_t* b = panel + k2 * NB * 2;
+    _tile_loadd(0, a + 2 * k2, lda * 2);
+    _tile_loadd(1, b, NB * 4);
+    _tile_loadd(2, b + 32, NB * 4);
+    _tile_loadd(3, b + 64, NB * 4);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_dpbf16ps(6, 0, 3);
+  }
+  _tile_stored(4, &sums[0][0], NB * 4);
+  _tile_stored(5, &sums[0][16], NB * 4);
+  _tile_stored(6, &sums[0][32], NB * 4);
+  for (int64_t r = 0; r < M; ++r) {
+    __m512 acc[1][NV];
+    for (int j = 0; j < NV; ++j) acc[0][j] = _mm512_load_ps(&sums[r][16 * j]);
+    store_tile<1>(acc, bias, c + r * ldc, ldc, ncols);
+  }
+}
+
+bool amx_gemm_ready() {
+  static const bool ok = swiftserve_amx::request_amx();
+  return ok;
+}
+#endif
+
 }  // namespace
 
 bool bf16_gemm_available() {
@@ -141,6 +202,18 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::opt
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   uint16_t* c = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t lda = x.stride(0), panel_elems = K2 * NB * 2;
+#ifdef SWIFTSERVE_AMX_GEMM
+  if (M <= AMX_MAX_ROWS && K2 % 16 == 0 && amx_gemm_ready()) {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      amx_config(static_cast<int>(M));
+      for (int64_t p = p0; p < p1; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
+        amx_panel(a, lda, w + p * panel_elems, K2, bp ? bp + p * NB : nullptr, c + p * NB, N, ncols, M);
+      }
+    });
+    return out;
+  }
+#endif
   const int64_t row_block = M > 2 * ROW_BLOCK ? ROW_BLOCK : M;
   const int64_t blocks = (M + row_block - 1) / row_block;
   // Tasks run panel-major within a row block, so a thread's next task is usually the next
