@@ -54,8 +54,9 @@ def test_panel_linear_matches_f_linear(rows: int, n: int, k: int, bias: bool, pa
     linear = bf16_linear(n, k, bias, seed=rows + n)
     layer = PanelLinear(linear, OPS)
     layer.onednn_rows = 1 if path == "onednn" else 1 << 62
-    if path == "dual":  # the oneDNN-packed copy AMX CPUs keep (used from 8 rows)
+    if path == "dual":  # the oneDNN-packed copy AMX CPUs keep (used past our AMX path)
         layer.add_onednn_copy()
+        layer.dual_rows = 1
     x = torch.randn(rows, k).to(torch.bfloat16)
     assert_matches_f_linear(layer(x), linear, x)
 
@@ -111,3 +112,21 @@ def test_pack_linears_chooses_kernel_and_honours_switch() -> None:
     onednn = model()
     assert pack_linears(onednn, None) == 3 and all(isinstance(m, PackedLinear) for m in onednn)
     torch.testing.assert_close(onednn(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(OPS is None or not OPS.bf16_gemm_amx_rows(576), reason="needs our AMX GEMM path")
+def test_amx_path_is_batch_invariant_up_to_its_limit() -> None:
+    """On AMX every step of up to bf16_gemm_amx_rows rows goes through tiles of 16 rows: a
+    row's result is the same bits whatever the batch around it (speculative verification
+    rows equal the one-row decode they replace), and each matches F.linear."""
+    limit = OPS.bf16_gemm_amx_rows(576)
+    linear = bf16_linear(960, 576, True, seed=11)
+    layer = PanelLinear(linear, OPS)
+    assert layer.dual_rows == limit + 1 and layer.onednn_rows == max(128, limit + 1)
+    x = torch.randn(limit + 1, 576).to(torch.bfloat16)
+    one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(limit)])
+    for rows in (2, 4, 16, 17, 40, limit):
+        got = layer(x[:rows])
+        assert torch.equal(got, one_by_one[:rows]), rows
+        assert_matches_f_linear(got, linear, x[:rows])
+    assert_matches_f_linear(layer(x), linear, x)  # one row more: the vector path

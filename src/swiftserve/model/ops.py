@@ -255,11 +255,11 @@ class CpuOps(TorchOps):
         )
 
     def pack_linears(self, model: nn.Module) -> int:
-        from swiftserve.model.packed_linear import DUAL_PACK_ROWS, dual_packed, pack_linears
+        from swiftserve.model.packed_linear import dual_packed, dual_rows, pack_linears
 
         count = pack_linears(model, self.cpp if self.options.bf16_gemm == "panel" else None)
-        if dual_packed(model):  # batches take oneDNN's copy: the C++ stack only for small ones
-            self.stack_max_rows = DUAL_PACK_ROWS
+        if dual_packed(model):  # large steps take oneDNN's copy: the C++ stack only below them
+            self.stack_max_rows = dual_rows(model)
         return count
 
     def stack_weights(self, model: nn.Module) -> list[torch.Tensor] | None:

@@ -26,7 +26,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 AMX_ONEDNN_ROWS = 128  # rows from which PanelLinear hands the GEMM to oneDNN on AMX CPUs
 # On AMX CPUs, models whose bf16 linears fit this keep a oneDNN-packed second copy, used from
-# DUAL_PACK_ROWS rows (batched decode, prompt chunks); one row stays on our faster kernel.
+# ``PanelLinear.dual_rows`` rows: past our kernel's AMX path (bf16_gemm_amx_rows), or from
+# DUAL_PACK_ROWS where that path cannot run (in_features not a multiple of 32).
 DUAL_PACK_MAX_BYTES = 2 << 30
 DUAL_PACK_ROWS = 8
 
@@ -58,9 +59,13 @@ class PanelLinear(nn.Module):
         self.kernels = kernels
         self.register_buffer("packed", pack_panels(linear.weight.detach(), kernels.bf16_gemm_panel_width()))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(), False)
-        self.onednn_rows = AMX_ONEDNN_ROWS if _amx() else 1 << 62
+        # Our kernel runs up to ``amx_rows`` rows on AMX tiles (1.3-2x oneDNN's time there,
+        # bf16_gemm.cpp); beyond, or on its vector path, oneDNN is faster from a few rows.
+        amx_rows = int(kernels.bf16_gemm_amx_rows(self.in_features)) if _amx() else 0
+        self.onednn_rows = max(AMX_ONEDNN_ROWS, amx_rows + 1) if _amx() else 1 << 62
         self.onednn: torch.Tensor | None = None  # a oneDNN-packed second copy (AMX, small models)
-        self.dual = False  # use (and on first use make) that copy for batches of DUAL_PACK_ROWS+
+        self.dual = False  # use (and on first use make) that copy for batches of ``dual_rows``+
+        self.dual_rows = amx_rows + 1 if amx_rows else DUAL_PACK_ROWS
 
     def add_onednn_copy(self) -> None:
         """Keep a oneDNN-packed copy beside the panels (twice the weight memory)."""
@@ -70,9 +75,10 @@ class PanelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.dual and rows.shape[0] >= DUAL_PACK_ROWS:
-            # AMX: oneDNN's packed copy beats our kernel from 8 rows (5.6x at 64); made on
-            # first use, so single-stream users pay neither its memory nor its start-up time
+        if self.dual and rows.shape[0] >= self.dual_rows:
+            # AMX: oneDNN's packed copy beats our vector path from 8 rows (5.6x at 64) and our
+            # AMX path from a few hundred; made on first use, so single-stream users pay
+            # neither its memory nor its start-up time
             if self.onednn is None:
                 self.add_onednn_copy()
             assert self.onednn is not None
@@ -174,10 +180,10 @@ def _dual_pack(model: nn.Module, onednn: bool) -> int:
     for layer in panels:
         layer.dual = True
     logger.info(
-        "AMX: oneDNN copies of %d linears (%.0f MB, made on first use) for batches of %d+ rows",
+        "AMX: oneDNN copies of %d linears (%.0f MB, made on first use) for steps of %d+ rows",
         len(panels),
         total / 2**20,
-        DUAL_PACK_ROWS,
+        min(layer.dual_rows for layer in panels),
     )
     return len(panels)
 
@@ -185,3 +191,10 @@ def _dual_pack(model: nn.Module, onednn: bool) -> int:
 def dual_packed(model: nn.Module) -> bool:
     """Whether the model's linears carry oneDNN copies (see ``_dual_pack``)."""
     return any(isinstance(m, PanelLinear) and m.dual for m in model.modules())
+
+
+def dual_rows(model: nn.Module) -> int:
+    """The fewest rows from which some linear of the model takes its oneDNN copy."""
+    return min(
+        (m.dual_rows for m in model.modules() if isinstance(m, PanelLinear) and m.dual), default=1 << 30
+    )

@@ -17,7 +17,7 @@
 // Rounding: fp32 sums rounded once to bf16 (round to nearest even), like oneDNN, but summed
 // in another order, so results differ from F.linear in the last bf16 bit now and then.
 //
-// AMX CPUs, up to AMX_MAX_ROWS rows (decode batches, speculative verification): the same
+// AMX CPUs, up to AMX_MAX_ROWS rows (decode batches, verification, prompt chunks): the same
 // panels are AMX B operands as they are (16 pairs of input features x 16 columns, rows 192
 // bytes apart), so a tile product covers 16 rows x 16 columns x 32 inputs at once. One row
 // streams the weight at memory speed either way; 4 rows cost 1.5x one on the vector path
@@ -122,7 +122,8 @@ void panel_rows(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K
 #endif
 
 #ifdef SWIFTSERVE_AMX_GEMM
-constexpr int64_t AMX_MAX_ROWS = 16;
+constexpr int64_t AMX_BLOCK = 16;      // rows per tile product
+constexpr int64_t AMX_MAX_ROWS = 256;  // steps up to this many rows take the AMX path
 
 // Tiles: 0 the rows of x (M x 32 inputs), 1-3 the panel's three 16-column B operands, 4-6
 // the M x 16 sums of each.
@@ -137,10 +138,10 @@ void amx_config(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// All M (<= 16) rows of x against one panel; K2 a multiple of 16.
+// M (<= AMX_BLOCK) rows of x against one panel; K2 a multiple of 16.
 void amx_panel(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K2, const uint16_t* bias, uint16_t* c,
                int64_t ldc, int ncols, int64_t M) {
-  alignas(64) float sums[AMX_MAX_ROWS][NB];
+  alignas(64) float sums[AMX_BLOCK][NB];
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
@@ -182,6 +183,17 @@ bool bf16_gemm_available() {
 
 int64_t bf16_gemm_panel_width() { return NB; }
 
+// The most rows bf16_linear takes through AMX tiles for in_features K, or 0 where it cannot
+// (no AMX, no OS permission, K not a multiple of 32).
+int64_t bf16_gemm_amx_rows(int64_t K) {
+#ifdef SWIFTSERVE_AMX_GEMM
+  return K % 32 == 0 && amx_gemm_ready() ? AMX_MAX_ROWS : 0;
+#else
+  (void)K;
+  return 0;
+#endif
+}
+
 // x: [M, K] bf16 (rows may be strided, columns contiguous, K even); wp: [P, K/2, NB, 2] bf16;
 // bias: [N] bf16 or undefined. Returns [M, N] bf16.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias) {
@@ -205,10 +217,15 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::opt
 #ifdef SWIFTSERVE_AMX_GEMM
   if (M <= AMX_MAX_ROWS && K2 % 16 == 0 && amx_gemm_ready()) {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      amx_config(static_cast<int>(M));
+      int64_t configured = 0;  // the tile rows loaded (a partial last block needs its own)
       for (int64_t p = p0; p < p1; ++p) {
         const int ncols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
-        amx_panel(a, lda, w + p * panel_elems, K2, bp ? bp + p * NB : nullptr, c + p * NB, N, ncols, M);
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_BLOCK) {
+          const int64_t rows = std::min<int64_t>(AMX_BLOCK, M - m0);
+          if (rows != configured) amx_config(static_cast<int>(configured = rows));
+          amx_panel(a + m0 * lda, lda, w + p * panel_elems, K2, bp ? bp + p * NB : nullptr, c + m0 * N + p * NB, N,
+                    ncols, rows);
+        }
       }
     });
     return out;

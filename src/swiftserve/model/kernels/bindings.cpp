@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was compiled (AVX512-BF16)");
   m.def("bf16_gemm_panel_width", &bf16_gemm_panel_width, "output columns per packed weight panel");
   m.def("bf16_linear", &bf16_linear, "x @ w.T (+ bias) in bf16 over a panel-packed weight");
+  m.def("bf16_gemm_amx_rows", &bf16_gemm_amx_rows, "the most rows bf16_linear runs on AMX tiles for K inputs (0: none)");
   m.def("decoder_stack", &decoder_stack, "every decoder layer of a bf16 model in one call (fused path)");
   m.def("decoder_stack_stage", &decoder_stack_stage, "a pipeline stage's decoder layers in one call (fused path)");
   m.def("int8_gemv", &int8_gemv, "x @ (w * scale).T for a few rows x, int8 w, per-row scale");

@@ -21,6 +21,7 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor
 bool bf16_gemm_available();
 int64_t bf16_gemm_panel_width();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional<torch::Tensor> bias);
+int64_t bf16_gemm_amx_rows(int64_t K);
 torch::Tensor decoder_stack(torch::Tensor h, std::vector<torch::Tensor> layers, std::vector<torch::Tensor> k_caches,
                             std::vector<torch::Tensor> v_caches, torch::Tensor final_norm, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor tables, torch::Tensor positions, torch::Tensor slots,
