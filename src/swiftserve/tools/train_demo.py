@@ -45,10 +45,6 @@ class TrainConfig:
     seed: int = 0
     threads: int = 2
     save_dtype: str = "bfloat16"
-    # Share of training windows that repeat an earlier span of themselves (see _with_repeat):
-    # real LLMs copy from their context (quoted code, edits, names), which a 12M model trained
-    # on 2.5M tokens of plain text does not learn on its own.
-    copy_fraction: float = 0.0
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio * peak_lr``."""
@@ -106,30 +102,6 @@ def _optimizer(model: Any, cfg: TrainConfig) -> Any:
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def _with_repeat(window: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """The window with a verbatim copy of one of its earlier spans inserted later on.
-
-    A span of 16 to a third of the window is repeated right after a random later point (the
-    tail is cut to keep the length): what follows the copy's first tokens is predictable
-    only by looking back, so the model learns to continue a quote it has already seen.
-    """
-    n = len(window)
-    span = int(rng.integers(16, max(17, n // 3)))
-    start = int(rng.integers(0, n - 2 * span))
-    insert = int(rng.integers(start + span, n - span))
-    return np.concatenate([window[:insert], window[start : start + span], window[insert:]])[:n]
-
-
-def _batch(stream: np.ndarray, cfg: TrainConfig, rng: np.random.Generator) -> np.ndarray:
-    """``batch_size`` random windows of the stream, ``copy_fraction`` of them with a repeat."""
-    starts = rng.integers(0, len(stream) - cfg.seq_len, size=cfg.batch_size)
-    windows = [stream[s : s + cfg.seq_len] for s in starts]
-    if cfg.copy_fraction > 0:
-        repeat = rng.random(cfg.batch_size) < cfg.copy_fraction
-        windows = [_with_repeat(w, rng) if r else w for w, r in zip(windows, repeat, strict=True)]
-    return np.stack(windows).astype(np.int64)
-
-
 def _train_loop(model: Any, stream: np.ndarray, cfg: TrainConfig, progress: bool) -> list[float]:
     """Run ``cfg.steps`` optimiser steps on random windows of the stream; returns the losses."""
     import torch
@@ -142,7 +114,8 @@ def _train_loop(model: Any, stream: np.ndarray, cfg: TrainConfig, progress: bool
     bar = tqdm(range(cfg.steps), desc="Training demo model", unit="step", disable=not progress)
     for step in bar:
         # Hugging Face shifts the labels itself: labels == input_ids trains next-token prediction.
-        batch = torch.from_numpy(_batch(stream, cfg, rng))
+        starts = rng.integers(0, len(stream) - cfg.seq_len, size=cfg.batch_size)
+        batch = torch.from_numpy(np.stack([stream[s : s + cfg.seq_len] for s in starts]).astype(np.int64))
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
