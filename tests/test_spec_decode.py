@@ -209,9 +209,8 @@ def test_ngram_proposer_longest_latest_match() -> None:
 
 def test_ngram_backs_off_only_where_drafts_keep_failing() -> None:
     """A request whose drafts are never accepted stops proposing (a probe one step in
-    MAX_COOLDOWN + 1); one accepted about a third of the time keeps verifying every step,
+    max_cooldown + 1); one accepted about a third of the time keeps verifying every step,
     misses and all (a miss costs a few rows, an accepted draft a whole step)."""
-    from swiftserve.core.ngram import MAX_COOLDOWN
 
     def proposing_steps(accepted_of_3: list[int], steps: int) -> int:
         proposer = NgramProposer(k=3, min_n=1, max_n=2)
@@ -224,7 +223,7 @@ def test_ngram_backs_off_only_where_drafts_keep_failing() -> None:
         return proposed
 
     never = proposing_steps([0], 400)
-    assert never < 400 / (MAX_COOLDOWN + 1) + 20  # backed off: probes only
+    assert never < 400 / (NgramProposer.max_cooldown + 1) + 20  # backed off: probes only
     assert proposing_steps([0, 0, 3], 400) == 400  # a third accepted (all-or-nothing): always
     assert proposing_steps([1], 400) == 400
 

@@ -22,6 +22,11 @@ from swiftserve.core.request import Request
 class DraftProposer(NgramProposer):
     """Holds the draft model's proposals between the step that made them and the next one."""
 
+    # A proposal costs k draft forwards besides the verification rows: back off sooner (two
+    # misses in a row) and for longer than prompt lookup does.
+    min_rate = 0.2
+    max_cooldown = 32
+
     def __init__(self, k: int, adaptive: bool = True):
         super().__init__(k, 1, 1, adaptive)
         self.lookahead = k

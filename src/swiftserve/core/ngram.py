@@ -21,16 +21,14 @@ from dataclasses import dataclass, field
 from swiftserve.core.request import Request
 from swiftserve.core.step_cost import StepCostModel
 
-MAX_COOLDOWN = 16  # steps without proposals once a request's drafts keep failing
-RATE_ALPHA = 0.25  # weight of the latest verification in a request's acceptance average
-MIN_RATE = 0.05  # below this acceptance per draft token, verification costs more than it saves
+RATE_ALPHA = 0.5  # weight of the latest verification in a request's acceptance average
 
 
 @dataclass
 class _Index:
     indexed: int = 0  # positions [0, indexed) have their n-grams in ``after``
     after: dict[tuple[int, ...], int] = field(default_factory=dict)
-    rate: float = 1.0  # recent acceptance per draft token (moving average, optimistic at first)
+    rate: float = 0.5  # recent acceptance per draft token (moving average; four misses in a row back off)
     cooldown: int = 0  # steps to skip before proposing again
 
 
@@ -44,6 +42,8 @@ class NgramProposer:
     """Proposes up to ``k`` draft tokens per request by prompt lookup."""
 
     lookahead = 0  # KV slots past a step's tokens that proposing writes (core/draft.py: k)
+    min_rate = 0.05  # below this acceptance per draft token, verifying costs more than it saves
+    max_cooldown = 16  # steps without proposals once a request's drafts keep failing
 
     def __init__(self, k: int, min_n: int, max_n: int, adaptive: bool = True):
         self.k, self.min_n, self.max_n, self.adaptive = k, min_n, max_n, adaptive
@@ -103,7 +103,7 @@ class NgramProposer:
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """Back off where a request's drafts keep failing (sampled text, say): once its recent
-        acceptance falls below MIN_RATE, it proposes one step in MAX_COOLDOWN + 1 (a probe
+        acceptance falls below ``min_rate``, it proposes one step in ``max_cooldown`` + 1 (a probe
         that lets the average recover). A single miss does not back off: at 0.3 acceptance
         most verifications accept nothing, yet verifying every step pays (issue 19's copy
         workload: 1.43x against 1.18x with a back-off after every miss)."""
@@ -113,7 +113,7 @@ class NgramProposer:
         rate = accepted / max(proposed, 1)
         self.acceptance += 0.05 * (rate - self.acceptance)
         index.rate += RATE_ALPHA * (rate - index.rate)
-        index.cooldown = MAX_COOLDOWN if index.rate < MIN_RATE else 0
+        index.cooldown = self.max_cooldown if index.rate < self.min_rate else 0
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
