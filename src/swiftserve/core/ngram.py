@@ -28,7 +28,7 @@ RATE_ALPHA = 0.5  # weight of the latest verification in a request's acceptance 
 class _Index:
     indexed: int = 0  # positions [0, indexed) have their n-grams in ``after``
     after: dict[tuple[int, ...], int] = field(default_factory=dict)
-    rate: float = 0.5  # recent acceptance per draft token (moving average; four misses in a row back off)
+    rate: float = 0.25  # recent acceptance per draft token (moving average; three misses in a row back off)
     cooldown: int = 0  # steps to skip before proposing again
 
 
