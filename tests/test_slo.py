@@ -328,7 +328,7 @@ def test_cost_model_fits_the_prefill_jump_and_the_planner_takes_big_chunks() -> 
     budgets = []
     for _ in range(40):
         budgets.append(paced.plan(16, min_bank_s=1.0, pending=[Pending(0.0, 4096)]))
-        paced.observe_step(cost(budgets[-1] - 16, 16), 16)
+        paced.observe_step(cost(budgets[-1] - 16, 16), 16, budgets[-1] - 16)
     chunks = [b - 16 for b in budgets if b > 16]
     assert budgets[0] == 16 and chunks and min(chunks) >= big * 0.95
     assert paced.credit <= paced.credit_cap

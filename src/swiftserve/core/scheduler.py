@@ -87,6 +87,7 @@ class Scheduler:
         self.num_steps = 0  # steps that ran a forward, and the rows they held (mean batch size)
         self.scheduled_rows = 0
         self._step_budget = max_num_batched_tokens
+        self._last_observed: float | None = None  # when observe_step last ran (the planner's turns)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
@@ -319,7 +320,13 @@ class Scheduler:
             )
             self.cost.observe(sched.num_batched_tokens - rows, rows, seconds, pairs)
             if self.planner is not None:
-                self.planner.observe_step(seconds, rows)
+                # what the decoding requests wait between tokens is the whole loop's turn (step,
+                # output processing, streaming), not the forward alone: pace on that
+                now = self.clock()
+                turn = now - self._last_observed if self._last_observed is not None else seconds
+                self._last_observed = now
+                turn = turn if seconds <= turn <= 4 * seconds + 0.05 else seconds  # not an idle gap
+                self.planner.observe_step(turn, rows, sched.num_batched_tokens - rows)
 
     def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
         """Priority policy: make room for ``request`` by preempting a worse running one."""

@@ -107,14 +107,19 @@ class BudgetPlanner:
         self.ttft_risk = False
         self.credit = 0.0  # seconds the recent decode steps ran under the limit (_paced_chunk)
         self.credit_cap = self.CREDIT_STEPS * (targets.tpot_s or 0.0)
+        self.decode_s = 0.0  # moving average of measured decode-only steps (0: none yet)
 
     def plan(self, decode_rows: int, min_bank_s: float, pending: Iterable[Pending]) -> int:
         """This step's token budget (decode rows included)."""
         tpot = self.targets.tpot_s
-        if tpot is None or decode_rows == 0 or not self.model.ready:
-            self.last_budget = self.max_budget  # nothing to protect, or nothing known yet
+        if tpot is None or decode_rows == 0:
+            self.last_budget = self.max_budget  # nothing to protect
             return self.max_budget
         limit = tpot * (1.0 - self.margin)
+        if not self.model.ready:  # nothing fitted (yet, or after a refit failed): measured debt only
+            owing = self.credit < 0 and self.decode_s < limit
+            self.last_budget = decode_rows if owing else self.max_budget
+            return self.last_budget
         pending = list(pending)
         self.ttft_risk = self._ttft_at_risk(decode_rows, limit, pending)
         if self.ttft_risk:
@@ -122,13 +127,15 @@ class BudgetPlanner:
         # the next chunk is the first pending prompt's: deep in a long prompt it costs more
         context = pending[0].context if pending else 0
         chunk = self.model.max_prompt_tokens(limit, decode_rows, context)
-        efficient = min(self.max_budget, self.model.efficient_chunk())
+        # below the floor a chunk would overrun the target as surely as a small one pays the jump
+        efficient = max(self.min_chunk, min(self.max_budget, self.model.efficient_chunk()))
         if self.ttft_risk:  # a prompt is late: where steps with prompt tokens pay a jump, few big chunks
             chunk = max(chunk, efficient)
-        elif chunk < efficient:
+        elif chunk < efficient or self.credit < 0:
             # Every chunk that fits would mostly pay the jump or re-read a long context (and
-            # stretch the decode steps it was meant to protect): pace instead, decode alone
-            # while credit builds up, then one chunk the credit pays for.
+            # stretch the decode steps it was meant to protect), or steps ran longer than
+            # predicted: pace instead, decode alone while credit builds up (debts first),
+            # then one chunk the credit pays for.
             chunk = self._paced_chunk(decode_rows, limit, min_bank_s, context, efficient)
             if chunk == 0:
                 self.last_budget = decode_rows
@@ -150,16 +157,21 @@ class BudgetPlanner:
         """
         allowance = max(0.0, min(self.credit, min_bank_s))
         chunk = self.model.max_prompt_tokens(limit + allowance, decode_rows, context)
-        stuck = self.credit >= self.credit_cap or self.model.predict(0, decode_rows) >= limit
-        return chunk if chunk >= efficient or stuck else 0
+        if self.credit >= self.credit_cap or self.decode_s >= limit:
+            return chunk  # full credit, or decode alone misses the target: no waiting helps
+        return chunk if chunk >= efficient and self.credit >= 0 else 0
 
-    def observe_step(self, seconds: float, decode_rows: int) -> None:
-        """A step ran: steps with decode rows earn (or spend) ``limit - seconds`` of credit."""
+    def observe_step(self, seconds: float, decode_rows: int, prompt_tokens: int = 0) -> None:
+        """A step ran: steps with decode rows earn (or spend) ``limit - seconds`` of credit.
+        Debt is kept (down to a few caps): a chunk that ran longer than predicted is paid
+        back by decode-only steps, so the mean holds even where the cost model is wrong."""
         tpot = self.targets.tpot_s
         if tpot is None or decode_rows == 0:
             return
+        if prompt_tokens == 0:  # measured, not fitted: the fit bends to the big steps
+            self.decode_s += 0.2 * (seconds - self.decode_s) if self.decode_s else seconds
         earned = self.credit + tpot * (1.0 - self.margin) - seconds
-        self.credit = max(-self.credit_cap, min(self.credit_cap, earned))
+        self.credit = max(-4 * self.credit_cap, min(self.credit_cap, earned))
 
     def plan_requests(self, running: Iterable[Request], waiting: Iterable[Request], now: float) -> int:
         """``plan`` from the requests themselves: the decode rows and the smallest TPOT time

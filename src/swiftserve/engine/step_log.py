@@ -41,5 +41,10 @@ class StepLog:
             "waiting": scheduler.num_waiting,
         }
         if planner is not None:
-            entry.update(margin=planner.margin, spend=planner.spend, ttft_risk=planner.ttft_risk)
+            entry.update(
+                margin=planner.margin,
+                spend=planner.spend,
+                ttft_risk=planner.ttft_risk,
+                credit=round(planner.credit, 4),
+            )
         self._file.write(json.dumps(entry) + "\n")
