@@ -193,7 +193,10 @@ def test_greedy_verifier_accepts_the_argmax_run() -> None:
 def test_ngram_proposer_longest_latest_match() -> None:
     proposer = NgramProposer(k=3, min_n=1, max_n=3)
     req = Request("r", [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], SamplingParams(), max_tokens=50)
-    assert proposer.propose(req, limit=10) == [4, 9, 2]  # "1 2 3" matched at the start
+    # "1 2 3" matched at the start; a new request proposes cautiously (2 of k: its acceptance
+    # average starts at 0.25, and as many drafts are proposed as it says will survive)
+    assert proposer.propose(req, limit=10) == [4, 9]
+    proposer.observe("r", 2, 2)  # both accepted: up to k from now on
     req.output_token_ids += [4]
     assert proposer.propose(req, limit=10) == [9, 2, 3]  # incremental index: "2 3 4" -> 9 ...
     assert proposer.propose(req, limit=1) == [9]
@@ -201,10 +204,12 @@ def test_ngram_proposer_longest_latest_match() -> None:
     asks_prompt_lps = Request("g", [1, 2, 1, 2], SamplingParams(prompt_logprobs=1), max_tokens=9)
     assert proposer.propose(asks_prompt_lps, limit=5) == []  # not eligible: one token a step
     penalised = Request("p", [1, 2, 1, 2], SamplingParams(repetition_penalty=1.2), max_tokens=9)
+    proposer.propose(penalised, limit=5)
+    proposer.observe("p", 2, 2)
     # penalties are applied per draft position; a loop shorter than k goes round again
     assert proposer.propose(penalised, limit=5) == [1, 2, 1]
     drifted = Request("d", [5, 1, 7, 5, 1, 8, 5, 1], SamplingParams(), max_tokens=9)
-    assert proposer.propose(drifted, limit=5) == [8, 5, 1]  # the latest "5 1", not the first
+    assert proposer.propose(drifted, limit=5) == [8, 5]  # the latest "5 1", not the first
 
 
 def test_ngram_backs_off_only_where_drafts_keep_failing() -> None:

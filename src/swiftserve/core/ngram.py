@@ -7,7 +7,9 @@ own loops, an edited quote) is continued as it reads now; on issue 19's copy wor
 acceptance rose from 0.28 to 0.45. Where the occurrence is closer than k tokens (a loop of
 period p < k) the proposal goes on around the loop. Each request keeps an index from n-gram
 to the position after its latest occurrence, extended by O(max_n) dict writes per new token,
-so a proposal costs a few lookups however long the context.
+so a proposal costs a few lookups however long the context. A request proposes as many
+drafts as its recent acceptance says will survive: ``round(2 k rate)``, at most k, at least 1
+(in a loop all k; in new text one or two, whose verification costs little).
 
 Requests asking for prompt logprobs are not eligible (they decode one token a step).
 Penalties, token rules, min_tokens and the structured-output grammar are applied per draft
@@ -84,6 +86,8 @@ class NgramProposer:
         if index.cooldown:
             index.cooldown -= 1
             return []
+        # as many drafts as the request's recent acceptance says will survive (k when most do)
+        k = max(1, min(k, round(2 * k * index.rate)))
         end = len(tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             start = index.after.get(tuple(tokens[end - n :]))
