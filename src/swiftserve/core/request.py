@@ -78,6 +78,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     prompt_logprob_pos: int = 0  # prompt positions whose logprobs were already reported
     block_hashes: list[int] = field(default_factory=list)
+    slo_lost: bool = False  # the planner found it can no longer meet a latency target (triage)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -42,7 +42,7 @@ from swiftserve.core.outputs import (
     sampled_tokens,
 )
 from swiftserve.core.request import Request, RequestStatus
-from swiftserve.core.request_queue import PriorityQueue, make_queue
+from swiftserve.core.request_queue import FCFSQueue, PriorityQueue, make_queue
 from swiftserve.core.slo import BudgetPlanner, SLOTargets
 from swiftserve.core.step_cost import StepCostModel, attention_pairs, long_context_chunk
 
@@ -144,10 +144,9 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.set_status(status)
         request.finished_time = self.clock()
-        if self.planner is not None and status in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-        ):
+        # triage gave lost requests up on purpose: the P99 feedback judges the others
+        finished = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if self.planner is not None and finished and not request.slo_lost:
             self.planner.observe_finished(*latencies(request))
         self.bm.free(request)
         del self.requests[request.request_id]
@@ -199,14 +198,19 @@ class Scheduler:
         # and verify whatever came back
         self._want_drafts = pays and self.lookahead > 0
         speculate = pays or self.lookahead > 0
+        decode_left = decode_rows  # decode rows not reached yet: a prompt chunk leaves them room
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            decode_left -= request.num_pending == 1
             if request.num_pending <= 0 or self._at_limit(request) or self._in_pipeline(request):
                 index += 1  # its last token is in flight; it finishes when that is back
                 continue
             if len(scheduled) >= self._row_cap:
                 break
-            num_new = self._chunk(request.num_computed_tokens, request.num_pending, budget)
+            if request.num_pending > 1 and budget <= decode_left:
+                index += 1  # a decode-only step (the planner's): the rows come first
+                continue
+            num_new = self._chunk(request.num_computed_tokens, request.num_pending, budget - decode_left)
             drafts = self._propose(request, budget) if num_new == 1 and speculate else []
             if drafts and self._allocate(request, 1 + len(drafts)):
                 self._drafts[request.request_id] = drafts  # verified with the last token
@@ -304,7 +308,28 @@ class Scheduler:
         """The token budget of this step: planned against the latency targets, if any."""
         if self.planner is None:
             return self.max_num_batched_tokens
+        self._defer_lost(now)
         return self.planner.plan_requests(self.running, self.waiting, now)
+
+    def _defer_lost(self, now: float) -> None:
+        """Triage (FCFS): prompts that will miss the TTFT target whatever happens now wait
+        behind those that can still make it (goodput counts only requests meeting both)."""
+        if not isinstance(self.waiting, FCFSQueue) or self.planner is None or len(self.waiting) < 2:
+            return
+        rows = self._decode_rows
+        queue = list(self.waiting)
+        lost = [
+            r
+            for r in queue
+            if r.num_output_tokens == 0
+            and self.planner.ttft_lost(now - r.arrival_time, r.num_tokens - r.num_computed_tokens, rows)
+        ]
+        for request in lost:
+            request.slo_lost = True
+        if lost and len(lost) < len(queue) and queue[-len(lost) :] != lost:
+            for request in lost:
+                self.waiting.remove(request)
+                self.waiting.add(request)
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """The measured wall time of a step: feeds the step-cost model."""

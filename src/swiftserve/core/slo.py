@@ -1,37 +1,39 @@
 """Latency targets: the per-step token budget planner and its P99 feedback.
 
-With a TPOT target T, a step that carries D decode rows should take at most about T: every
-decode row gets one token per step. The step-cost model (core/step_cost.py) turns that into
-the largest prefill chunk k with ``fixed + per_token*k + per_row*D <= T*(1 - margin)``.
+TPOT is a mean over a request's tokens, so what a request can afford is a matter of its
+whole life, not of each step. A request past its first token, ``g`` tokens and ``e``
+seconds in, with ``m`` tokens still to come at ``d`` seconds a decode step, meets a TPOT
+target ``T`` as long as the stalls still ahead of it add up to at most its **slack**
+``T (g + m) - e - m d``. A prefill chunk stalls every decoding request by what it adds to
+the step, so the planner gives a step the largest chunk that fits the smallest slack among
+the decoding requests (spending at most a horizon's worth of the future part and a capped
+bank of the past, so a long stream's mean also holds over a window of steps). Requests
+whose slack is already negative cannot meet the target any more: they still decode, but
+they protect no one (triage; goodput counts only requests that meet every target).
 
-TPOT is an average over a request's tokens, so a request that has run faster than T has
-banked time: ``bank = T*(tokens so far - 1) - (time since its first token)``. When TTFT is
-the one at risk (a burst waiting whose predicted first tokens would miss the TTFT target),
-the step may also spend ``spend`` of the smallest bank among the decode rows: bigger prefill
-chunks exactly when they help, paid for with time the running requests do not need.
-
-Where the chunk that fits under the target is too small to pay its way (a step with any
-prompt token pays a fixed jump; a chunk deep in a long prompt re-reads the whole context),
-the planner paces instead: steps with decode rows earn credit, the time they ran under the
-target (measured, capped at ``CREDIT_STEPS`` targets); decode-only steps build it up, and a
-chunk runs when the credit pays for an efficient one. TPOT is a mean: it holds over a window
-of steps, not in every gap, and the prompt advances in efficient chunks.
+Chunks are efficient or nothing: where the chunk that fits is smaller than the efficient one
+(a step with any prompt token pays a fixed jump; deep in a long prompt a chunk re-reads the
+whole context) and does not finish the next prompt, the step decodes alone: requests with
+little slack finish and requests with more take their place. A waiting prompt whose first
+token would miss the TTFT target if it waited one more step is rescued with an efficient
+chunk when that breaks no more decoding requests' TPOT than it saves prompts' TTFT.
 
 Feedback on what was measured, over sliding windows of finished requests: a TPOT P99 above
-target raises ``margin`` (smaller chunks); P99 with headroom lowers it, down to a negative
-margin (the model is pessimistic); a TTFT P99 above target raises ``spend``. After a
-tightening move the window restarts, so the next move judges only what followed it. The budget is
-always within [decode rows + min_chunk, max_num_batched_tokens].
+target raises ``margin`` (the planner works to ``T (1 - margin)``); P99 with headroom lowers
+it, down to a negative margin (the model is pessimistic); a TTFT P99 above target makes
+rescues start ``lead`` decode steps earlier. After a tightening move the window restarts, so
+the next move judges only what followed it. The budget is always within
+[decode rows + min_chunk, max_num_batched_tokens].
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from swiftserve.core.request import Request
-from swiftserve.core.step_cost import StepCostModel
+from swiftserve.core.step_cost import StepCostModel, attention_pairs
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,34 @@ class Pending:
     waited_s: float
     prompt_tokens_left: int
     context: int = 0  # tokens already computed (the next chunk attends to them too)
+    new: bool = True  # not admitted yet (admitting it adds a decode row to later steps)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A request past its first token, as the planner sees it."""
+
+    intervals: int  # tokens since its first one
+    elapsed_s: float  # seconds since its first token
+    remaining: int  # tokens it is still expected to produce
+
+
+def expected_remaining(request: Request) -> int:
+    """Tokens a decoding request will still produce: exact when it ignores EOS, else what
+    it has produced so far (at least 16), within its ``max_tokens``."""
+    left = request.max_tokens - request.num_output_tokens
+    if request.sampling_params.ignore_eos:
+        return max(0, left)
+    return max(0, min(left, max(16, request.num_output_tokens)))
 
 
 class BudgetPlanner:
     """Plans each step's token budget against the targets (see the module docstring)."""
 
     MARGIN_RANGE = (-0.3, 0.5)
-    SPEND_RANGE = (0.25, 1.0)
-    CREDIT_STEPS = 16  # credit is capped at this many TPOT targets: the longest stall a chunk adds
+    LEAD_RANGE = (2.0, 16.0)
+    BANK_STEPS = 16  # a request's past bank counts up to this many TPOT targets
+    HORIZON_STEPS = 32  # and its future slack up to this many steps
 
     def __init__(
         self,
@@ -99,111 +121,170 @@ class BudgetPlanner:
         self.min_chunk = min_chunk
         self.feedback_every = feedback_every
         self.margin = 0.1
-        self.spend = 0.5
+        self.lead = 2.0  # rescue a prompt this many decode steps before its TTFT target
         self.ttft = LatencyWindow()
         self.tpot = LatencyWindow()
         self._finished = 0
         self.last_budget = max_budget
         self.ttft_risk = False
-        self.credit = 0.0  # seconds the recent decode steps ran under the limit (_paced_chunk)
-        self.credit_cap = self.CREDIT_STEPS * (targets.tpot_s or 0.0)
+        self.min_slack = float("inf")  # the smallest slack among protected requests (last plan)
         self.decode_s = 0.0  # moving average of measured decode-only steps (0: none yet)
+        self.lost: list[int] = []  # indices (into plan's ``decoding``) that cannot meet TPOT
 
-    def plan(self, decode_rows: int, min_bank_s: float, pending: Iterable[Pending]) -> int:
+    # ---- slack ---------------------------------------------------------------------------
+    def _decode_step(self, decode_rows: int) -> float:
+        return self.decode_s or max(0.0, self.model.predict(0, decode_rows))
+
+    def _slack(self, r: Decoding, target: float, step: float) -> tuple[float, float]:
+        """(life, spendable): the stall ``r`` can take and still meet ``target`` over its
+        whole life, and what the planner lets one step spend of it (with the margin, the
+        past bank capped, the future counted over a horizon)."""
+        life = target * (r.intervals + r.remaining) - r.elapsed_s - r.remaining * step
+        limit = target * (1.0 - self.margin)
+        bank = min(limit * r.intervals - r.elapsed_s, self.BANK_STEPS * target)
+        return life, bank + (limit - step) * min(r.remaining, self.HORIZON_STEPS)
+
+    def plan(self, decoding: Sequence[Decoding], pending: Iterable[Pending]) -> int:
         """This step's token budget (decode rows included)."""
-        tpot = self.targets.tpot_s
-        if tpot is None or decode_rows == 0:
+        tpot, rows = self.targets.tpot_s, len(decoding)
+        self.ttft_risk, self.min_slack, self.lost = False, float("inf"), []
+        if tpot is None or rows == 0:
             self.last_budget = self.max_budget  # nothing to protect
             return self.max_budget
-        limit = tpot * (1.0 - self.margin)
-        if not self.model.ready:  # nothing fitted (yet, or after a refit failed): measured debt only
-            owing = self.credit < 0 and self.decode_s < limit
-            self.last_budget = decode_rows if owing else self.max_budget
+        step = self._decode_step(rows)
+        # per protected request: (life slack, spendable slack, what one more decode row costs it)
+        row_cost = self.model.coef[2]
+        slacks = [self._slack(r, tpot, step) for r in decoding]
+        self.lost = [i for i, (life, _) in enumerate(slacks) if life < 0.0]
+        protected = [  # the lost can no longer meet the target: they protect no one
+            (life, spend, row_cost * min(r.remaining, self.HORIZON_STEPS))
+            for r, (life, spend) in zip(decoding, slacks, strict=True)
+            if life >= 0.0
+        ]
+        if not protected:
+            self.last_budget = self.max_budget
+            return self.max_budget
+        self.min_slack = max(0.0, min(spend for _, spend, _ in protected))
+        if not self.model.ready:  # no cost model yet: stall only where every request can take a lot
+            self.last_budget = self.max_budget if self.min_slack >= self.BANK_STEPS * step else rows
             return self.last_budget
         pending = list(pending)
-        self.ttft_risk = self._ttft_at_risk(decode_rows, limit, pending)
-        if self.ttft_risk:
-            limit += self.spend * max(0.0, min_bank_s)
-        # the next chunk is the first pending prompt's: deep in a long prompt it costs more
-        context = pending[0].context if pending else 0
-        chunk = self.model.max_prompt_tokens(limit, decode_rows, context)
-        # below the floor a chunk would overrun the target as surely as a small one pays the jump
-        efficient = max(self.min_chunk, min(self.max_budget, self.model.efficient_chunk()))
-        if self.ttft_risk:  # a prompt is late: where steps with prompt tokens pay a jump, few big chunks
-            chunk = max(chunk, efficient)
-        elif chunk < efficient or self.credit < 0:
-            # Every chunk that fits would mostly pay the jump or re-read a long context (and
-            # stretch the decode steps it was meant to protect), or steps ran longer than
-            # predicted: pace instead, decode alone while credit builds up (debts first),
-            # then one chunk the credit pays for.
-            chunk = self._paced_chunk(decode_rows, limit, min_bank_s, context, efficient)
-            if chunk == 0:
-                self.last_budget = decode_rows
-                return self.last_budget
-        room = max(0, self.max_budget - decode_rows)
-        self.last_budget = decode_rows + min(room, max(self.min_chunk, chunk))
+        room = max(0, self.max_budget - rows)
+        efficient = max(self.min_chunk, min(room, self.model.efficient_chunk()))
+        chunk = self._fit(rows, protected, pending, efficient)
+        if chunk == 0:
+            chunk = self._rescue(rows, protected, pending)
+        self.last_budget = rows + min(room, chunk) if chunk > 0 else rows
         return self.last_budget
 
-    def _paced_chunk(
-        self, decode_rows: int, limit: float, min_bank_s: float, context: int, efficient: int
-    ) -> int:
-        """The chunk this step's credit pays for, or 0 (decode alone and build credit).
+    def _stall(self, tokens: int, rows: int, context: int) -> float:
+        """What a chunk of ``tokens`` adds to a step with ``rows`` decode rows."""
+        pairs = attention_pairs(tokens, context)
+        return self.model.predict(tokens, rows, pairs) - self.model.predict(0, rows)
 
-        Credit is what the steps with decode rows have run under ``limit`` lately (measured,
-        capped, see ``observe_step``), and no more than any running request has banked, so
-        each request's TPOT holds over a window of ``CREDIT_STEPS`` target times while the
-        prompt advances in chunks big enough to be efficient. Progress is guaranteed: with
-        full credit, or where decode steps alone miss the target, whatever fits is taken.
-        """
-        allowance = max(0.0, min(self.credit, min_bank_s))
-        chunk = self.model.max_prompt_tokens(limit + allowance, decode_rows, context)
-        if self.credit >= self.credit_cap or self.decode_s >= limit:
-            return chunk  # full credit, or decode alone misses the target: no waiting helps
-        return chunk if chunk >= efficient and self.credit >= 0 else 0
+    def _fit(
+        self, rows: int, protected: list[tuple[float, float, float]], pending: list[Pending], efficient: int
+    ) -> int:
+        """The prompt tokens this step can take without any protected request overspending:
+        a chunk stalls each by what it adds to the step, and every new request admitted makes
+        each of their next decode steps dearer by a row. Whole prompts in queue order, then a
+        part of the next one if that part is an efficient chunk."""
+        taken, new = 0, 0
+        context = pending[0].context if pending else 0
+        room = max(0, self.max_budget - rows)
+        for p in pending:
+            new_rows = new + (1 if p.new else 0)
+            allowed = min(spend - new_rows * grow for _, spend, grow in protected)
+            total = taken + p.prompt_tokens_left
+            if total <= room and self._stall(total, rows, context) <= allowed:
+                taken, new = total, new_rows
+                continue
+            if allowed > 0 and (p.prompt_tokens_left > room or not p.new):
+                # a part only of a prompt that needs several steps anyway: a part of one that
+                # could go whole would spend slack and still leave its first token waiting
+                fit = self.model.max_prompt_tokens(self.model.predict(0, rows) + allowed, rows, context)
+                part = min(room, fit) - taken
+                if part >= efficient:
+                    taken += part
+            break
+        return taken
+
+    def _rescue(self, rows: int, protected: list[tuple[float, float, float]], pending: list[Pending]) -> int:
+        """A chunk for the prompts whose TTFT would be missed if they waited one more
+        step, if it breaks no more decoding requests than it saves prompts; else 0. Prompts
+        whose requests would decode slower than the target once admitted are not saved."""
+        target, tpot = self.targets.ttft_s, self.targets.tpot_s
+        if target is None or tpot is None:
+            return 0
+        room = max(1, self.max_budget - rows)
+        wait = self.lead * self._decode_step(rows)
+        saved, need, new, taken, backlog, admitted = 0, 0, 0, 0, 0, 0
+        for i, p in enumerate(pending):  # in the order they will be served
+            backlog += p.prompt_tokens_left
+            admitted += 1 if p.new else 0
+            first_token = p.waited_s + -(-backlog // room) * self.model.predict(min(backlog, room), rows)
+            if first_token <= target < first_token + wait:  # still possible, not after waiting
+                saved, need, new, taken = saved + 1, backlog, admitted, i + 1
+        if saved and self.model.predict(0, rows + new) > tpot:
+            saved = 0  # admitted, they would decode too slowly to meet the TPOT target
+        self.ttft_risk = saved > 0
+        if not saved:
+            return 0
+
+        def broken(tokens: int, rows_added: int) -> int:
+            stall = self._stall(tokens, rows, pending[0].context)
+            return sum(1 for life, _, grow in protected if life < stall + rows_added * grow)
+
+        chunk = min(room, need)  # whole prompts: a part of the next would only spend slack
+        lost = broken(chunk, new)
+        if lost > saved:
+            return 0
+        for p in pending[taken:]:  # the step pays its jump anyway: take whole prompts that cost no one
+            more, added = chunk + p.prompt_tokens_left, new + (1 if p.new else 0)
+            if more > room or broken(more, added) > lost:
+                break
+            chunk, new = more, added
+        return chunk
+
+    def ttft_lost(self, waited_s: float, prompt_tokens_left: int, decode_rows: int) -> bool:
+        """Whether a waiting prompt will miss the TTFT target even if served from now on."""
+        target = self.targets.ttft_s
+        if target is None:
+            return False
+        if not self.model.ready:
+            return waited_s > target
+        room = max(1, self.max_budget - decode_rows)
+        steps = -(-prompt_tokens_left // room)
+        return waited_s + steps * self.model.predict(min(prompt_tokens_left, room), decode_rows) > target
 
     def observe_step(self, seconds: float, decode_rows: int, prompt_tokens: int = 0) -> None:
-        """A step ran: steps with decode rows earn (or spend) ``limit - seconds`` of credit.
-        Debt is kept (down to a few caps): a chunk that ran longer than predicted is paid
-        back by decode-only steps, so the mean holds even where the cost model is wrong."""
-        tpot = self.targets.tpot_s
-        if tpot is None or decode_rows == 0:
+        """A step ran (``seconds``: the loop's whole turn): decode-only steps feed the
+        measured decode step the slack is computed with."""
+        if self.targets.tpot_s is None or decode_rows == 0 or prompt_tokens:
             return
-        if prompt_tokens == 0:  # measured, not fitted: the fit bends to the big steps
-            self.decode_s += 0.2 * (seconds - self.decode_s) if self.decode_s else seconds
-        earned = self.credit + tpot * (1.0 - self.margin) - seconds
-        self.credit = max(-4 * self.credit_cap, min(self.credit_cap, earned))
+        self.decode_s += 0.2 * (seconds - self.decode_s) if self.decode_s else seconds
 
     def plan_requests(self, running: Iterable[Request], waiting: Iterable[Request], now: float) -> int:
-        """``plan`` from the requests themselves: the decode rows and the smallest TPOT time
-        any of them has banked (ahead of target), and every prompt still in prefill."""
-        tpot = self.targets.tpot_s or 0.0
-        decode_rows, min_bank, pending = 0, float("inf"), []
+        """``plan`` from the requests themselves: every request past its first token that
+        decodes this step, and every prompt still in prefill."""
+        decoding, pending, decoders = [], [], []
         for r in running:
             if r.num_tokens - r.num_computed_tokens <= 1 and r.first_token_time is not None:
-                decode_rows += 1
-                min_bank = min(min_bank, tpot * (r.num_output_tokens - 1) - (now - r.first_token_time))
+                decoders.append(r)
+                decoding.append(
+                    Decoding(r.num_output_tokens - 1, now - r.first_token_time, expected_remaining(r))
+                )
             else:
                 left = r.num_tokens - r.num_computed_tokens
-                pending.append(Pending(now - r.arrival_time, left, r.num_computed_tokens))
+                pending.append(Pending(now - r.arrival_time, left, r.num_computed_tokens, new=False))
         pending += [
             Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
             for r in waiting
         ]
-        return self.plan(decode_rows, 0.0 if min_bank == float("inf") else min_bank, pending)
-
-    def _ttft_at_risk(self, decode_rows: int, limit: float, pending: Iterable[Pending]) -> bool:
-        """Would some waiting prompt get its first token after the TTFT target at this pace?"""
-        target = self.targets.ttft_s
-        if target is None:
-            return False
-        chunk = max(self.min_chunk, self.model.max_prompt_tokens(limit, decode_rows))
-        step = self.model.predict(chunk, decode_rows)
-        backlog = 0
-        for p in pending:  # in the order they will be served
-            backlog += p.prompt_tokens_left
-            if p.waited_s + -(-backlog // chunk) * step > target:
-                return True
-        return False
+        budget = self.plan(decoding, pending)
+        for i in self.lost:
+            decoders[i].slo_lost = True
+        return budget
 
     # ---- feedback ------------------------------------------------------------------------
     def observe_finished(self, ttft_s: float | None, tpot_s: float | None) -> None:
@@ -223,22 +304,21 @@ class BudgetPlanner:
         if tpot_p99 is not None and target is not None:
             if tpot_p99 > target:
                 self.margin = min(hi, self.margin + 0.05)
-                self.spend = max(self.SPEND_RANGE[0], self.spend - 0.1)
                 self.tpot.values.clear()  # judge the next move on what follows this one
             elif tpot_p99 < 0.85 * target:
                 self.margin = max(lo, self.margin - 0.02)
         ttft_p99, ttft_target = self.ttft.p99(), self.targets.ttft_s
         if ttft_p99 is not None and ttft_target is not None:
-            if ttft_p99 > ttft_target and (tpot_p99 is None or target is None or tpot_p99 <= target):
-                self.spend = min(self.SPEND_RANGE[1], self.spend + 0.1)
+            if ttft_p99 > ttft_target:
+                self.lead = min(self.LEAD_RANGE[1], self.lead + 1.0)
                 self.ttft.values.clear()
             elif ttft_p99 < 0.7 * ttft_target:
-                self.spend = max(self.SPEND_RANGE[0], self.spend - 0.05)
+                self.lead = max(self.LEAD_RANGE[0], self.lead - 0.5)
 
     def stats(self) -> dict[str, float]:
         return {
             "step_budget": float(self.last_budget),
             "budget_margin": self.margin,
-            "budget_spend": self.spend,
-            "budget_credit_s": self.credit,
+            "budget_lead_steps": self.lead,
+            "budget_min_slack_s": self.min_slack if self.min_slack != float("inf") else -1.0,
         }

@@ -28,7 +28,7 @@ class StepLog:
         rows = sum(1 for item in sched.scheduled if len(item.token_ids) == 1)
         prompt = [item for item in sched.scheduled if len(item.token_ids) > 1]
         planner = scheduler.planner
-        entry = {
+        entry: dict[str, object] = {
             "t": round(time.monotonic() - self._start, 4),
             "decode_rows": rows,
             "prompt_tokens": sched.num_batched_tokens - rows,
@@ -41,10 +41,11 @@ class StepLog:
             "waiting": scheduler.num_waiting,
         }
         if planner is not None:
+            slack = planner.min_slack
             entry.update(
                 margin=planner.margin,
-                spend=planner.spend,
+                lead=planner.lead,
                 ttft_risk=planner.ttft_risk,
-                credit=round(planner.credit, 4),
+                min_slack=round(slack, 4) if slack != float("inf") else None,  # None: nobody protected
             )
         self._file.write(json.dumps(entry) + "\n")
