@@ -430,3 +430,21 @@ def test_slack_holds_tpot_where_the_cost_model_misses_a_cost() -> None:
     at_once = planner.BANK_STEPS * target + planner.HORIZON_STEPS * target  # bank + horizon, at most
     assert sum(during) <= target * len(during) + at_once
     assert sum(seconds for seconds, _ in sim.step_times[first:last]) < 60 * target * 6000 / 2048  # no crawl
+
+
+def test_triage_defers_prompts_that_will_miss_ttft_behind_those_that_can_make_it() -> None:
+    """Goodput counts only requests meeting every target: a prompt that will miss its TTFT
+    whatever happens waits behind one that can still make it, unless it has waited so long
+    (``LOST_WAIT_TARGETS`` targets) that deferring it more would starve it."""
+    sim = SimEngine(SLOTargets(ttft_s=0.5, tpot_s=0.02), max_budget=256)
+    for k, rows in [(0, 8), (256, 8), (512, 4), (1024, 2), (128, 16), (0, 32)] * 4:
+        sim.sched.cost.observe(k, rows, true_cost(k, rows))
+    sim.now = 10.0
+    ancient, late, fresh = (
+        req(n, a, prompt=200) for n, a in [("ancient", 0.0), ("late", 9.0), ("fresh", 9.9)]
+    )
+    for r in (ancient, late, fresh):
+        sim.add(r)
+    out = sim.sched.schedule()
+    assert [i.request_id for i in out.scheduled] == ["ancient", "fresh"]  # 200 + a 56-token chunk
+    assert late.slo_lost and not fresh.slo_lost and not ancient.slo_lost

@@ -105,6 +105,7 @@ class BudgetPlanner:
     LEAD_RANGE = (2.0, 16.0)
     BANK_STEPS = 16  # a request's past bank counts up to this many TPOT targets
     HORIZON_STEPS = 32  # and its future slack up to this many steps
+    LOST_WAIT_TARGETS = 8.0  # a prompt past TTFT is deferred until it has waited this many targets
 
     def __init__(
         self,
@@ -247,9 +248,10 @@ class BudgetPlanner:
         return chunk
 
     def ttft_lost(self, waited_s: float, prompt_tokens_left: int, decode_rows: int) -> bool:
-        """Whether a waiting prompt will miss the TTFT target even if served from now on."""
+        """Whether a waiting prompt will miss the TTFT target even if served from now on
+        (and has not yet waited ``LOST_WAIT_TARGETS`` targets: triage defers, never starves)."""
         target = self.targets.ttft_s
-        if target is None:
+        if target is None or waited_s > self.LOST_WAIT_TARGETS * target:
             return False
         if not self.model.ready:
             return waited_s > target
