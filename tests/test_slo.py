@@ -245,17 +245,20 @@ def test_planner_fits_the_chunk_to_the_smallest_slack_and_ignores_the_lost() -> 
 
 
 def test_planner_rescues_a_late_prompt_only_when_that_saves_more_than_it_breaks() -> None:
+    """A rescue must save ``RESCUE_COST`` (2) prompts per decoding request it breaks: the
+    broken one has had its compute, a rescued prompt's own TPOT still has to hold."""
     planner = BudgetPlanner(SLOTargets(ttft_s=0.5, tpot_s=0.02), 4096, fitted_model())
     late = Pending(0.48, 64)  # its first token comes in time only if it goes now
     assert planner.plan([TIGHT] + [FRESH] * 7, [Pending(0.0, 64)]) == 8  # not late: waits
     assert not planner.ttft_risk
-    assert planner.plan([TIGHT] + [FRESH] * 7, [late]) == 8 + 64  # breaks one, saves one
+    assert planner.plan([FRESH] * 8, [late, late]) == 8 + 128  # saves two, breaks none (fits anyway)
+    assert planner.plan([TIGHT] + [FRESH] * 7, [late]) == 8  # would break one to save one
     assert planner.ttft_risk
-    assert planner.plan([TIGHT] * 2 + [FRESH] * 6, [late]) == 8  # would break two to save one
-    assert planner.plan([TIGHT] * 2 + [FRESH] * 6, [late, late]) == 8 + 128
-    assert planner.plan([TIGHT] + [FRESH] * 7, [Pending(0.9, 64)]) == 8  # lost: not rescued
+    assert planner.plan([TIGHT] + [FRESH] * 7, [late, late]) == 8 + 128  # breaks one, saves two
+    assert planner.plan([TIGHT] * 2 + [FRESH] * 6, [late, late]) == 8  # breaks two, saves two
+    assert planner.plan([TIGHT] + [FRESH] * 7, [Pending(0.9, 64)] * 2) == 8  # lost: not rescued
     # once rescuing (paying the step's cost anyway), whole prompts that break no one more come too
-    assert planner.plan([TIGHT] + [FRESH] * 7, [late, Pending(0.0, 32)]) == 8 + 96
+    assert planner.plan([TIGHT] + [FRESH] * 7, [late, late, Pending(0.0, 32)]) == 8 + 160
 
 
 def test_feedback_tightens_on_a_breach_and_relaxes_with_headroom() -> None:

@@ -131,10 +131,11 @@ class Scheduler(StepIO):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.set_status(status)
         request.finished_time = self.clock()
-        # triage gave lost requests up on purpose: the P99 feedback judges the others
         finished = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-        if self.planner is not None and finished and not request.slo_lost:
-            self.planner.observe_finished(*latencies(request))
+        if self.planner is not None and finished:
+            ttft, tpot = latencies(request)
+            # triage gave lost requests' TPOT up on purpose: the margin judges the others'
+            self.planner.observe_finished(ttft, None if request.slo_lost else tpot)
         self.bm.free(request)
         del self.requests[request.request_id]
         self.deadlines.track(request, -1)

@@ -105,6 +105,10 @@ class BudgetPlanner:
     LEAD_RANGE = (2.0, 16.0)
     BANK_STEPS = 16  # a request's past bank counts up to this many TPOT targets
     HORIZON_STEPS = 32  # and its future slack up to this many steps
+    # a rescue must save this many prompts per decoding request it breaks: a broken request has
+    # had its compute, a rescued prompt is not yet safe (its own TPOT still has to hold)
+    RESCUE_COST = 2
+    TTFT_HEADROOM = 0.15  # rescue prompts this share of the TTFT target early
     LOST_WAIT_TARGETS = 8.0  # a prompt past TTFT is deferred until it has waited this many targets
 
     def __init__(
@@ -153,12 +157,13 @@ class BudgetPlanner:
             self.last_budget = self.max_budget  # nothing to protect
             return self.max_budget
         step = self._decode_step(rows)
-        # per protected request: (life slack, spendable slack, what one more decode row costs it)
+        # per protected request: (life slack, spendable slack, what one more decode row costs
+        # it: a row more in each of its remaining steps; spending counts it in full too)
         row_cost = self.model.coef[2]
         slacks = [self._slack(r, tpot, step) for r in decoding]
         self.lost = [i for i, (life, _) in enumerate(slacks) if life < 0.0]
         protected = [  # the lost can no longer meet the target: they protect no one
-            (life, spend, row_cost * min(r.remaining, self.HORIZON_STEPS))
+            (life, spend, row_cost * r.remaining)
             for r, (life, spend) in zip(decoding, slacks, strict=True)
             if life >= 0.0
         ]
@@ -224,7 +229,8 @@ class BudgetPlanner:
             backlog += p.prompt_tokens_left
             admitted += 1 if p.new else 0
             first_token = p.waited_s + -(-backlog // room) * self.model.predict(min(backlog, room), rows)
-            if first_token <= target < first_token + wait:  # still possible, not after waiting
+            # still possible, not after waiting (with headroom: the client sees more than the steps)
+            if first_token <= target and first_token + wait > target * (1.0 - self.TTFT_HEADROOM):
                 saved, need, new, taken = saved + 1, backlog, admitted, i + 1
         if saved and self.model.predict(0, rows + new) > tpot:
             saved = 0  # admitted, they would decode too slowly to meet the TPOT target
@@ -238,7 +244,7 @@ class BudgetPlanner:
 
         chunk = min(room, need)  # whole prompts: a part of the next would only spend slack
         lost = broken(chunk, new)
-        if lost > saved:
+        if lost * self.RESCUE_COST > saved:
             return 0
         for p in pending[taken:]:  # the step pays its jump anyway: take whole prompts that cost no one
             more, added = chunk + p.prompt_tokens_left, new + (1 if p.new else 0)
