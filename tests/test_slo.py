@@ -237,6 +237,8 @@ def test_planner_fits_the_chunk_to_the_smallest_slack_and_ignores_the_lost() -> 
     stall = true_cost(chunk, 8) - true_cost(0, 8)
     assert stall <= planner.min_slack * 1.01 < true_cost(chunk + 16, 8) - true_cost(0, 8)
     assert planner.plan([FRESH] * 7 + [TIGHT], prompt) == 8  # no slack to spend: decode only
+    starved = [Pending(planner.MAX_WAIT_S + 1, 3000, new=False)]
+    assert planner.plan([FRESH] * 7 + [TIGHT], starved) > 8  # but no prompt waits forever
     assert planner.plan([LOST] * 8, prompt) == 4096  # all lost: nobody to protect
     # admitting a request makes every later decode step dearer by a row: a 64-token prompt
     # (6.4 ms) costs a request with 32+ tokens to go 6.4 + 32 x 0.4 ms of its slack

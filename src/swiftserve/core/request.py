@@ -79,6 +79,7 @@ class Request:
     prompt_logprob_pos: int = 0  # prompt positions whose logprobs were already reported
     block_hashes: list[int] = field(default_factory=list)
     slo_lost: bool = False  # the planner found it can no longer meet a latency target (triage)
+    slo_bank: float = 0.0  # seconds its recent tokens came under the TPOT target (core/slo.py)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -339,7 +339,10 @@ class Scheduler(StepIO):
                 turn = now - self._last_observed if self._last_observed is not None else seconds
                 self._last_observed = now
                 turn = turn if seconds <= turn <= 4 * seconds + 0.05 else seconds  # not an idle gap
-                self.planner.observe_step(turn, rows, sched.num_batched_tokens - rows)
+                decoded = (self.requests.get(i.request_id) for i in sched.scheduled if len(i.token_ids) == 1)
+                self.planner.observe_step(
+                    turn, rows, sched.num_batched_tokens - rows, (r for r in decoded if r is not None)
+                )
 
     def _preempt_for(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> bool:
         """Priority policy: make room for ``request`` by preempting a worse running one."""

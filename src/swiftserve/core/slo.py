@@ -87,6 +87,7 @@ class Decoding:
     intervals: int  # tokens since its first one
     elapsed_s: float  # seconds since its first token
     remaining: int  # tokens it is still expected to produce
+    bank_s: float = 0.0  # its recent bank (``Request.slo_bank``)
 
 
 def expected_remaining(request: Request) -> int:
@@ -110,6 +111,7 @@ class BudgetPlanner:
     RESCUE_COST = 2
     TTFT_HEADROOM = 0.15  # rescue prompts this share of the TTFT target early
     LOST_WAIT_TARGETS = 8.0  # a prompt past TTFT is deferred until it has waited this many targets
+    MAX_WAIT_S = 30.0  # without a TTFT target: the longest a prompt waits for slack
 
     def __init__(
         self,
@@ -133,7 +135,8 @@ class BudgetPlanner:
         self.last_budget = max_budget
         self.ttft_risk = False
         self.min_slack = float("inf")  # the smallest slack among protected requests (last plan)
-        self.decode_s = 0.0  # moving average of measured decode-only steps (0: none yet)
+        self.decode_s = 0.0  # median of the recent decode-only steps' turns (0: none yet)
+        self._decode_turns: deque[float] = deque(maxlen=15)
         self.lost: list[int] = []  # indices (into plan's ``decoding``) that cannot meet TPOT
 
     # ---- slack ---------------------------------------------------------------------------
@@ -146,7 +149,7 @@ class BudgetPlanner:
         past bank capped, the future counted over a horizon)."""
         life = target * (r.intervals + r.remaining) - r.elapsed_s - r.remaining * step
         limit = target * (1.0 - self.margin)
-        bank = min(limit * r.intervals - r.elapsed_s, self.BANK_STEPS * target)
+        bank = min(limit * r.intervals - r.elapsed_s, r.bank_s)  # ahead over its life and lately
         return life, bank + (limit - step) * min(r.remaining, self.HORIZON_STEPS)
 
     def plan(self, decoding: Sequence[Decoding], pending: Iterable[Pending]) -> int:
@@ -177,11 +180,23 @@ class BudgetPlanner:
         pending = list(pending)
         room = max(0, self.max_budget - rows)
         efficient = max(self.min_chunk, min(room, self.model.efficient_chunk()))
+        # every bank full: waiting buys nothing more, so whatever fits goes (progress)
+        cap = self.BANK_STEPS * tpot
+        if all(r.bank_s >= 0.95 * cap for r, (life, _) in zip(decoding, slacks, strict=True) if life >= 0):
+            efficient = self.min_chunk
         chunk = self._fit(rows, protected, pending, efficient)
         if chunk == 0:
             chunk = self._rescue(rows, protected, pending)
+        if chunk == 0 and pending and pending[0].waited_s > self._max_wait_s():
+            chunk = min(pending[0].prompt_tokens_left, efficient)  # no prompt waits forever
         self.last_budget = rows + min(room, chunk) if chunk > 0 else rows
         return self.last_budget
+
+    def _max_wait_s(self) -> float:
+        """How long a prompt may wait for slack before it advances anyway (efficient chunks
+        while the decoding requests cannot spare any: their steps alone near the target)."""
+        ttft = self.targets.ttft_s
+        return self.LOST_WAIT_TARGETS * ttft if ttft is not None else self.MAX_WAIT_S
 
     def _stall(self, tokens: int, rows: int, context: int) -> float:
         """What a chunk of ``tokens`` adds to a step with ``rows`` decode rows."""
@@ -265,12 +280,25 @@ class BudgetPlanner:
         steps = -(-prompt_tokens_left // room)
         return waited_s + steps * self.model.predict(min(prompt_tokens_left, room), decode_rows) > target
 
-    def observe_step(self, seconds: float, decode_rows: int, prompt_tokens: int = 0) -> None:
+    def observe_step(
+        self, seconds: float, decode_rows: int, prompt_tokens: int = 0, decoded: Iterable[Request] = ()
+    ) -> None:
         """A step ran (``seconds``: the loop's whole turn): decode-only steps feed the
-        measured decode step the slack is computed with."""
-        if self.targets.tpot_s is None or decode_rows == 0 or prompt_tokens:
+        measured decode step the slack is computed with, and each request that decoded
+        banks what its token came under the target, capped at ``BANK_STEPS`` targets: the
+        bank a chunk may spend is recent, so a long stream's gaps stay near the target over
+        any window, not only over its life (stalls are paid back before the next)."""
+        tpot = self.targets.tpot_s
+        if tpot is None or decode_rows == 0:
             return
-        self.decode_s += 0.2 * (seconds - self.decode_s) if self.decode_s else seconds
+        cap, limit = self.BANK_STEPS * tpot, tpot * (1.0 - self.margin)
+        for r in decoded:
+            r.slo_bank = min(cap, r.slo_bank + limit - seconds)
+        if not prompt_tokens:
+            # a median: one slow turn (a collection, a neighbour) must not make every long
+            # stream look lost (its life slack is remaining tokens x this)
+            self._decode_turns.append(seconds)
+            self.decode_s = sorted(self._decode_turns)[len(self._decode_turns) // 2]
 
     def plan_requests(self, running: Iterable[Request], waiting: Iterable[Request], now: float) -> int:
         """``plan`` from the requests themselves: every request past its first token that
@@ -280,7 +308,9 @@ class BudgetPlanner:
             if r.num_tokens - r.num_computed_tokens <= 1 and r.first_token_time is not None:
                 decoders.append(r)
                 decoding.append(
-                    Decoding(r.num_output_tokens - 1, now - r.first_token_time, expected_remaining(r))
+                    Decoding(
+                        r.num_output_tokens - 1, now - r.first_token_time, expected_remaining(r), r.slo_bank
+                    )
                 )
             else:
                 left = r.num_tokens - r.num_computed_tokens
