@@ -2,28 +2,32 @@
 
 TPOT is a mean over a request's tokens, so what a request can afford is a matter of its
 whole life, not of each step. A request past its first token, ``g`` tokens and ``e``
-seconds in, with ``m`` tokens still to come at ``d`` seconds a decode step, meets a TPOT
-target ``T`` as long as the stalls still ahead of it add up to at most its **slack**
-``T (g + m) - e - m d``. A prefill chunk stalls every decoding request by what it adds to
-the step, so the planner gives a step the largest chunk that fits the smallest slack among
-the decoding requests (spending at most a horizon's worth of the future part and a capped
-bank of the past, so a long stream's mean also holds over a window of steps). Requests
-whose slack is already negative cannot meet the target any more: they still decode, but
-they protect no one (triage; goodput counts only requests that meet every target).
+seconds in, with ``m`` tokens still to come at ``d`` seconds a decode step (the median of
+recent decode-only turns), meets a TPOT target ``T`` as long as the stalls still ahead of it
+add up to at most its **life slack** ``T (g + m) - e - m d``. A prefill chunk stalls every
+decoding request by what it adds to the step, and admitting a request makes each of their
+remaining steps dearer by a row, so a step gets the prompt tokens (whole prompts in queue
+order, then an efficient part of a long one) that the smallest *spendable* slack pays for:
+the request's recent bank (what its tokens came under the target, earned step by step and
+capped at ``BANK_STEPS`` targets, so a long stream's gaps hold over any window, not only over
+its life) plus its future slack over ``HORIZON_STEPS`` steps.
 
-Chunks are efficient or nothing: where the chunk that fits is smaller than the efficient one
-(a step with any prompt token pays a fixed jump; deep in a long prompt a chunk re-reads the
-whole context) and does not finish the next prompt, the step decodes alone: requests with
-little slack finish and requests with more take their place. A waiting prompt whose first
-token would miss the TTFT target if it waited one more step is rescued with an efficient
-chunk when that breaks no more decoding requests' TPOT than it saves prompts' TTFT.
+Triage (goodput counts only requests that meet every target): a request whose life slack is
+negative can no longer meet the target; it still decodes, but protects no one. A prompt that
+will miss TTFT whatever happens waits behind prompts that can still make it (the scheduler
+moves it back, for at most ``LOST_WAIT_TARGETS`` targets). Chunks are efficient or nothing:
+where only a part below the efficient chunk would fit (a step with any prompt token pays a
+fixed jump), the step decodes alone and requests with little slack finish first. A prompt
+that would miss TTFT if it waited ``lead`` more steps is rescued when that saves
+``RESCUE_COST`` prompts per decoding request it breaks. No prompt waits for slack longer than
+``_max_wait_s``.
 
 Feedback on what was measured, over sliding windows of finished requests: a TPOT P99 above
-target raises ``margin`` (the planner works to ``T (1 - margin)``); P99 with headroom lowers
-it, down to a negative margin (the model is pessimistic); a TTFT P99 above target makes
-rescues start ``lead`` decode steps earlier. After a tightening move the window restarts, so
-the next move judges only what followed it. The budget is always within
-[decode rows + min_chunk, max_num_batched_tokens].
+target (requests triage gave up excluded) raises ``margin`` (the planner works to
+``T (1 - margin)``); P99 with headroom lowers it, down to a negative margin (the model is
+pessimistic); a TTFT P99 above target makes rescues start ``lead`` decode steps earlier.
+After a tightening move the window restarts, so the next move judges only what followed it.
+The budget is always within [decode rows, max_num_batched_tokens].
 """
 
 from __future__ import annotations
