@@ -287,6 +287,27 @@ def test_step_cost_model_recovers_the_cost_function() -> None:
     assert model.max_prompt_tokens(0.02, 16) == pytest.approx((0.02 - 0.004 - 16 * 4e-4) / 1e-4, rel=0.1)
 
 
+def test_step_cost_model_keeps_chunk_costs_through_a_long_run_of_decode_steps() -> None:
+    """Steps with prompt tokens have their own window: 1,000 decode-only steps in a row (a
+    stream decoding while a long prompt waits) do not make the model forget what a chunk
+    costs, jump and attention term included."""
+    model = StepCostModel(window=256, min_samples=4, refit_every=1)
+    rng = random.Random(2)
+
+    def cost(k: int, rows: int, pairs: float) -> float:
+        return deep_cost(k, rows, pairs) + (0.03 if k else 0.0)
+
+    for _ in range(40):
+        k, ctx, rows = rng.randint(16, 1024), rng.choice([0, 4000, 8000]), rng.randint(1, 8)
+        model.observe(k, rows, cost(k, rows, attention_pairs(k, ctx)), attention_pairs(k, ctx))
+    for _ in range(1000):
+        rows = rng.randint(1, 8)
+        model.observe(0, rows, cost(0, rows, 0.0))
+    pairs = attention_pairs(1024, 8000)
+    assert model.predict(1024, 4, pairs) == pytest.approx(cost(1024, 4, pairs), rel=0.05)
+    assert model.predict(0, 4) == pytest.approx(cost(0, 4, 0.0), rel=0.05)
+
+
 def test_targets_and_timeouts_are_validated() -> None:
     with pytest.raises(ValueError, match="tpot_s"):
         SLOTargets(tpot_s=0.0)

@@ -32,6 +32,8 @@ The budget is always within [decode rows, max_num_batched_tokens].
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -82,6 +84,7 @@ class Pending:
     prompt_tokens_left: int
     context: int = 0  # tokens already computed (the next chunk attends to them too)
     new: bool = True  # not admitted yet (admitting it adds a decode row to later steps)
+    outputs: int = 16  # tokens it is expected to produce: the steps that row is there for
 
 
 @dataclass(frozen=True)
@@ -141,20 +144,41 @@ class BudgetPlanner:
         self.min_slack = float("inf")  # the smallest slack among protected requests (last plan)
         self.decode_s = 0.0  # median of the recent decode-only steps' turns (0: none yet)
         self._decode_turns: deque[float] = deque(maxlen=15)
+        self._overheads: deque[float] = deque(maxlen=15)  # decode-only turns less the model's step
         self.lost: list[int] = []  # indices (into plan's ``decoding``) that cannot meet TPOT
 
     # ---- slack ---------------------------------------------------------------------------
     def _decode_step(self, decode_rows: int) -> float:
         return self.decode_s or max(0.0, self.model.predict(0, decode_rows))
 
-    def _slack(self, r: Decoding, target: float, step: float) -> tuple[float, float]:
-        """(life, spendable): the stall ``r`` can take and still meet ``target`` over its
-        whole life, and what the planner lets one step spend of it (with the margin, the
-        past bank capped, the future counted over a horizon)."""
-        life = target * (r.intervals + r.remaining) - r.elapsed_s - r.remaining * step
+    def _slacks(self, decoding: Sequence[Decoding], target: float, step: float) -> list[tuple[float, float]]:
+        """(life, spendable) per request: the stall it can take and still meet ``target``
+        over its whole life, and what the planner lets one step spend of it (with the margin,
+        the past bank capped, the future counted over a horizon). Its future decode steps
+        cost ``step`` less a row for each request that will have finished by then (the
+        batch shrinks as requests end: counting today's rows for all of them would mark a
+        request lost while a burst passes through)."""
+        per_row = self.model.coef[2]
+        if self._overheads:  # a decode step with no rows: the model's, plus what the loop adds
+            overhead = sorted(self._overheads)[len(self._overheads) // 2]
+            base = max(0.0, self.model.predict(0, 0) + overhead)
+        else:
+            base = max(0.0, step - per_row * len(decoding))
+        ends = sorted(r.remaining for r in decoding)
+        prefix = [0, *itertools.accumulate(ends)]
+
+        def future(steps: int) -> float:  # the next ``steps`` decode steps, rows leaving as they end
+            k = bisect.bisect_left(ends, steps)
+            return steps * base + per_row * (prefix[k] + steps * (len(ends) - k))
+
         limit = target * (1.0 - self.margin)
-        bank = min(limit * r.intervals - r.elapsed_s, r.bank_s)  # ahead over its life and lately
-        return life, bank + (limit - step) * min(r.remaining, self.HORIZON_STEPS)
+        out = []
+        for r in decoding:
+            life = target * (r.intervals + r.remaining) - r.elapsed_s - future(r.remaining)
+            bank = min(limit * r.intervals - r.elapsed_s, r.bank_s)  # ahead over its life and lately
+            horizon = min(r.remaining, self.HORIZON_STEPS)
+            out.append((life, bank + limit * horizon - future(horizon)))
+        return out
 
     def plan(self, decoding: Sequence[Decoding], pending: Iterable[Pending]) -> int:
         """This step's token budget (decode rows included)."""
@@ -164,13 +188,11 @@ class BudgetPlanner:
             self.last_budget = self.max_budget  # nothing to protect
             return self.max_budget
         step = self._decode_step(rows)
-        # per protected request: (life slack, spendable slack, what one more decode row costs
-        # it: a row more in each of its remaining steps; spending counts it in full too)
-        row_cost = self.model.coef[2]
-        slacks = [self._slack(r, tpot, step) for r in decoding]
+        # per protected request: (life slack, spendable slack, tokens it still has to produce)
+        slacks = self._slacks(decoding, tpot, step)
         self.lost = [i for i, (life, _) in enumerate(slacks) if life < 0.0]
         protected = [  # the lost can no longer meet the target: they protect no one
-            (life, spend, row_cost * r.remaining)
+            (life, spend, r.remaining)
             for r, (life, spend) in zip(decoding, slacks, strict=True)
             if life >= 0.0
         ]
@@ -202,27 +224,32 @@ class BudgetPlanner:
         ttft = self.targets.ttft_s
         return self.LOST_WAIT_TARGETS * ttft if ttft is not None else self.MAX_WAIT_S
 
+    def _rows_cost(self, remaining: int, admitted: list[int]) -> float:
+        """What admitting requests that will produce ``admitted`` tokens costs a decoding
+        request with ``remaining`` to go: a row more in each step they share."""
+        return self.model.coef[2] * sum(min(remaining, outputs) for outputs in admitted)
+
     def _stall(self, tokens: int, rows: int, context: int) -> float:
         """What a chunk of ``tokens`` adds to a step with ``rows`` decode rows."""
         pairs = attention_pairs(tokens, context)
         return self.model.predict(tokens, rows, pairs) - self.model.predict(0, rows)
 
     def _fit(
-        self, rows: int, protected: list[tuple[float, float, float]], pending: list[Pending], efficient: int
+        self, rows: int, protected: list[tuple[float, float, int]], pending: list[Pending], efficient: int
     ) -> int:
         """The prompt tokens this step can take without any protected request overspending:
         a chunk stalls each by what it adds to the step, and every new request admitted makes
         each of their next decode steps dearer by a row. Whole prompts in queue order, then a
         part of the next one if that part is an efficient chunk."""
-        taken, new = 0, 0
+        taken, admitted = 0, list[int]()
         context = pending[0].context if pending else 0
         room = max(0, self.max_budget - rows)
         for p in pending:
-            new_rows = new + (1 if p.new else 0)
-            allowed = min(spend - new_rows * grow for _, spend, grow in protected)
+            with_p = [*admitted, p.outputs] if p.new else admitted
+            allowed = min(spend - self._rows_cost(rem, with_p) for _, spend, rem in protected)
             total = taken + p.prompt_tokens_left
             if total <= room and self._stall(total, rows, context) <= allowed:
-                taken, new = total, new_rows
+                taken, admitted = total, with_p
                 continue
             if allowed > 0 and (p.prompt_tokens_left > room or not p.new):
                 # a part only of a prompt that needs several steps anyway: a part of one that
@@ -234,7 +261,7 @@ class BudgetPlanner:
             break
         return taken
 
-    def _rescue(self, rows: int, protected: list[tuple[float, float, float]], pending: list[Pending]) -> int:
+    def _rescue(self, rows: int, protected: list[tuple[float, float, int]], pending: list[Pending]) -> int:
         """A chunk for the prompts whose TTFT would be missed if they waited one more
         step, if it breaks no more decoding requests than it saves prompts; else 0. Prompts
         whose requests would decode slower than the target once admitted are not saved."""
@@ -243,33 +270,35 @@ class BudgetPlanner:
             return 0
         room = max(1, self.max_budget - rows)
         wait = self.lead * self._decode_step(rows)
-        saved, need, new, taken, backlog, admitted = 0, 0, 0, 0, 0, 0
+        saved, need, taken, backlog = 0, 0, 0, 0
+        admitted: list[int] = []  # outputs of the new requests up to the last one saved
+        queue: list[int] = []
         for i, p in enumerate(pending):  # in the order they will be served
             backlog += p.prompt_tokens_left
-            admitted += 1 if p.new else 0
+            queue += [p.outputs] if p.new else []
             first_token = p.waited_s + -(-backlog // room) * self.model.predict(min(backlog, room), rows)
             # still possible, not after waiting (with headroom: the client sees more than the steps)
             if first_token <= target and first_token + wait > target * (1.0 - self.TTFT_HEADROOM):
-                saved, need, new, taken = saved + 1, backlog, admitted, i + 1
-        if saved and self.model.predict(0, rows + new) > tpot:
+                saved, need, admitted, taken = saved + 1, backlog, list(queue), i + 1
+        if saved and self.model.predict(0, rows + len(admitted)) > tpot:
             saved = 0  # admitted, they would decode too slowly to meet the TPOT target
         self.ttft_risk = saved > 0
         if not saved:
             return 0
 
-        def broken(tokens: int, rows_added: int) -> int:
+        def broken(tokens: int, added: list[int]) -> int:
             stall = self._stall(tokens, rows, pending[0].context)
-            return sum(1 for life, _, grow in protected if life < stall + rows_added * grow)
+            return sum(1 for life, _, rem in protected if life < stall + self._rows_cost(rem, added))
 
         chunk = min(room, need)  # whole prompts: a part of the next would only spend slack
-        lost = broken(chunk, new)
+        lost = broken(chunk, admitted)
         if lost * self.RESCUE_COST > saved:
             return 0
         for p in pending[taken:]:  # the step pays its jump anyway: take whole prompts that cost no one
-            more, added = chunk + p.prompt_tokens_left, new + (1 if p.new else 0)
+            more, added = chunk + p.prompt_tokens_left, [*admitted, p.outputs] if p.new else admitted
             if more > room or broken(more, added) > lost:
                 break
-            chunk, new = more, added
+            chunk, admitted = more, added
         return chunk
 
     def ttft_lost(self, waited_s: float, prompt_tokens_left: int, decode_rows: int) -> bool:
@@ -303,6 +332,8 @@ class BudgetPlanner:
             # stream look lost (its life slack is remaining tokens x this)
             self._decode_turns.append(seconds)
             self.decode_s = sorted(self._decode_turns)[len(self._decode_turns) // 2]
+            if self.model.ready:
+                self._overheads.append(seconds - self.model.predict(0, decode_rows))
 
     def plan_requests(self, running: Iterable[Request], waiting: Iterable[Request], now: float) -> int:
         """``plan`` from the requests themselves: every request past its first token that
@@ -318,9 +349,22 @@ class BudgetPlanner:
                 )
             else:
                 left = r.num_tokens - r.num_computed_tokens
-                pending.append(Pending(now - r.arrival_time, left, r.num_computed_tokens, new=False))
+                pending.append(
+                    Pending(
+                        now - r.arrival_time,
+                        left,
+                        r.num_computed_tokens,
+                        new=False,
+                        outputs=expected_remaining(r),
+                    )
+                )
         pending += [
-            Pending(now - r.arrival_time, r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
+            Pending(
+                now - r.arrival_time,
+                r.num_tokens - r.num_computed_tokens,
+                r.num_computed_tokens,
+                outputs=expected_remaining(r),
+            )
             for r in waiting
         ]
         budget = self.plan(decoding, pending)

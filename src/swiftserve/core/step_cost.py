@@ -13,8 +13,10 @@ step leaves the one-call C++ stack and the attention takes another path: 17 -> 5
 for a handful of prompt tokens). It is fitted only when the window holds enough steps of both
 kinds; otherwise it stays 0 and the model is the three-term one.
 
-Least squares over a sliding window of recent steps (pure Python: up to 5x5, updated
-incrementally, refitted every ``refit_every`` observations). The planner (core/slo.py) and
+Least squares over sliding windows of recent steps (pure Python: up to 5x5, updated
+incrementally, refitted every ``refit_every`` observations): one window of steps with prompt
+tokens and one without, so a long run of decode-only steps (a stream decoding while a long
+prompt waits for slack) does not flush what the chunks cost. The planner (core/slo.py) and
 the deadline checks ask it what a step would cost; until it has seen enough varied steps
 (``ready``), they fall back to today's fixed budget and check only deadlines already past.
 """
@@ -58,7 +60,8 @@ class StepCostModel:
         self.window = window
         self.refit_every = refit_every
         self.min_samples = min_samples
-        self._samples: deque[tuple[Features, float]] = deque()
+        # (steps without prompt tokens, steps with): each its own window
+        self._samples: tuple[deque[tuple[Features, float]], ...] = (deque(), deque())
         self._xtx = [[0.0] * 5 for _ in range(5)]
         self._xty = [0.0] * 5
         self._with_prompt = 0  # steps in the window that carried prompt tokens
@@ -80,13 +83,18 @@ class StepCostModel:
             pairs / PAIR_UNIT,
         )
         self._add(x, seconds, 1.0)
-        self._samples.append((x, seconds))
-        if len(self._samples) > self.window:
-            old_x, old_y = self._samples.popleft()
+        window = self._samples[1 if prompt_tokens else 0]
+        window.append((x, seconds))
+        if len(window) > self.window:
+            old_x, old_y = window.popleft()
             self._add(old_x, old_y, -1.0)
         self._since_fit += 1
-        if self._since_fit >= self.refit_every and len(self._samples) >= self.min_samples:
+        if self._since_fit >= self.refit_every and self.num_samples >= self.min_samples:
             self._refit()
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples[0]) + len(self._samples[1])
 
     def _add(self, x: Features, y: float, sign: float) -> None:
         self._with_prompt += int(sign) * int(x[3])
@@ -101,7 +109,7 @@ class StepCostModel:
         self._since_fit = 0
         # ``jump`` only when both kinds of step are there to tell it from ``fixed``
         cols = [0, 1, 2]
-        if min(self._with_prompt, len(self._samples) - self._with_prompt) >= MIN_KIND:
+        if min(self._with_prompt, self.num_samples - self._with_prompt) >= MIN_KIND:
             cols.append(3)
         if self._deep >= MIN_DEEP:
             cols.append(4)
