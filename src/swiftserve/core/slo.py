@@ -143,8 +143,7 @@ class BudgetPlanner:
         self.ttft_risk = False
         self.min_slack = float("inf")  # the smallest slack among protected requests (last plan)
         self.decode_s = 0.0  # median of the recent decode-only steps' turns (0: none yet)
-        self._decode_turns: deque[float] = deque(maxlen=15)
-        self._overheads: deque[float] = deque(maxlen=15)  # decode-only turns less the model's step
+        self._decode_turns: deque[tuple[float, int]] = deque(maxlen=15)  # (turn, decode rows)
         self.lost: list[int] = []  # indices (into plan's ``decoding``) that cannot meet TPOT
 
     # ---- slack ---------------------------------------------------------------------------
@@ -159,11 +158,11 @@ class BudgetPlanner:
         batch shrinks as requests end: counting today's rows for all of them would mark a
         request lost while a burst passes through)."""
         per_row = self.model.coef[2]
-        if self._overheads:  # a decode step with no rows: the model's, plus what the loop adds
-            overhead = sorted(self._overheads)[len(self._overheads) // 2]
-            base = max(0.0, self.model.predict(0, 0) + overhead)
+        if self._decode_turns:  # measured decode turns less their rows: what a step costs anyway
+            base = sorted(t - per_row * n for t, n in self._decode_turns)[len(self._decode_turns) // 2]
         else:
-            base = max(0.0, step - per_row * len(decoding))
+            base = step - per_row * len(decoding)
+        base = max(0.0, base)
         ends = sorted(r.remaining for r in decoding)
         prefix = [0, *itertools.accumulate(ends)]
 
@@ -330,10 +329,8 @@ class BudgetPlanner:
         if not prompt_tokens:
             # a median: one slow turn (a collection, a neighbour) must not make every long
             # stream look lost (its life slack is remaining tokens x this)
-            self._decode_turns.append(seconds)
-            self.decode_s = sorted(self._decode_turns)[len(self._decode_turns) // 2]
-            if self.model.ready:
-                self._overheads.append(seconds - self.model.predict(0, decode_rows))
+            self._decode_turns.append((seconds, decode_rows))
+            self.decode_s = sorted(t for t, _ in self._decode_turns)[len(self._decode_turns) // 2]
 
     def plan_requests(self, running: Iterable[Request], waiting: Iterable[Request], now: float) -> int:
         """``plan`` from the requests themselves: every request past its first token that
