@@ -97,6 +97,28 @@ def test_chunked_prefill_splits_long_prompt_and_mixes_with_decode() -> None:
     assert not next(i for i in second.scheduled if i.request_id == "long").sample
 
 
+def test_a_prompt_chunk_leaves_room_for_the_decode_rows_behind_it() -> None:
+    """A running prompt ahead of decoding requests in the running list (it arrived first)
+    takes only what the budget leaves after their rows: a chunk never starves a decode row."""
+    s = make_scheduler(budget=8)
+    for i in range(3):
+        s.add_request(make_request(f"d{i}", 2, max_tokens=20, arrival=1.0 + i))
+    first = s.schedule()  # the three short prompts
+    s.update(first, fake_run(first))
+    s.add_request(make_request("long", 40, max_tokens=2, arrival=0.0))  # arrived first, admitted last
+    second = s.schedule()
+    assert {i.request_id: len(i.token_ids) for i in second.scheduled} == {
+        "d0": 1,
+        "d1": 1,
+        "d2": 1,
+        "long": 5,
+    }
+    s.update(second, fake_run(second))
+    third = s.schedule()  # "long" now sorts first in the running list
+    assert third.scheduled[0].request_id == "long"
+    assert {i.request_id: len(i.token_ids) for i in third.scheduled} == {"long": 5, "d0": 1, "d1": 1, "d2": 1}
+
+
 def test_no_chunking_waits_for_whole_prompt() -> None:
     s = make_scheduler(budget=16, chunked=False, max_len=16)
     s.add_request(make_request("a", 10, max_tokens=2))
