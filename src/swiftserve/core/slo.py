@@ -223,10 +223,14 @@ class BudgetPlanner:
         ttft = self.targets.ttft_s
         return self.LOST_WAIT_TARGETS * ttft if ttft is not None else self.MAX_WAIT_S
 
-    def _rows_cost(self, remaining: int, admitted: list[int]) -> float:
-        """What admitting requests that will produce ``admitted`` tokens costs a decoding
-        request with ``remaining`` to go: a row more in each step they share."""
-        return self.model.coef[2] * sum(min(remaining, outputs) for outputs in admitted)
+    def _admit(
+        self, protected: list[tuple[float, float, int]], charges: list[float], outputs: int
+    ) -> list[float]:
+        """``charges`` (per protected request: what the requests admitted so far cost it) plus
+        one more request that will produce ``outputs`` tokens: a row more in each step they
+        share. Kept incrementally: a step can weigh many short prompts against a big batch."""
+        per_row = self.model.coef[2]
+        return [c + per_row * min(rem, outputs) for c, (_, _, rem) in zip(charges, protected, strict=True)]
 
     def _stall(self, tokens: int, rows: int, context: int) -> float:
         """What a chunk of ``tokens`` adds to a step with ``rows`` decode rows."""
@@ -240,15 +244,24 @@ class BudgetPlanner:
         a chunk stalls each by what it adds to the step, and every new request admitted makes
         each of their next decode steps dearer by a row. Whole prompts in queue order, then a
         part of the next one if that part is an efficient chunk."""
-        taken, admitted = 0, list[int]()
+        # Only the smallest spend per distinct remaining length can bind (a request's charge
+        # depends on nothing else), and lengths past the longest new request's all charge
+        # alike: one representative each keeps this linear in the queue, not queue x batch.
+        longest = max((p.outputs for p in pending if p.new), default=0)
+        least: dict[int, float] = {}
+        for _, spend, rem in protected:
+            key = min(rem, longest)
+            least[key] = min(spend, least.get(key, spend))
+        protected = [(0.0, spend, rem) for rem, spend in least.items()]
+        taken, charges = 0, [0.0] * len(protected)
         context = pending[0].context if pending else 0
         room = max(0, self.max_budget - rows)
         for p in pending:
-            with_p = [*admitted, p.outputs] if p.new else admitted
-            allowed = min(spend - self._rows_cost(rem, with_p) for _, spend, rem in protected)
+            with_p = self._admit(protected, charges, p.outputs) if p.new else charges
+            allowed = min(spend - c for (_, spend, _), c in zip(protected, with_p, strict=True))
             total = taken + p.prompt_tokens_left
             if total <= room and self._stall(total, rows, context) <= allowed:
-                taken, admitted = total, with_p
+                taken, charges = total, with_p
                 continue
             if allowed > 0 and (p.prompt_tokens_left > room or not p.new):
                 # a part only of a prompt that needs several steps anyway: a part of one that
@@ -270,34 +283,36 @@ class BudgetPlanner:
         room = max(1, self.max_budget - rows)
         wait = self.lead * self._decode_step(rows)
         saved, need, taken, backlog = 0, 0, 0, 0
-        admitted: list[int] = []  # outputs of the new requests up to the last one saved
-        queue: list[int] = []
         for i, p in enumerate(pending):  # in the order they will be served
             backlog += p.prompt_tokens_left
-            queue += [p.outputs] if p.new else []
             first_token = p.waited_s + -(-backlog // room) * self.model.predict(min(backlog, room), rows)
             # still possible, not after waiting (with headroom: the client sees more than the steps)
             if first_token <= target and first_token + wait > target * (1.0 - self.TTFT_HEADROOM):
-                saved, need, admitted, taken = saved + 1, backlog, list(queue), i + 1
-        if saved and self.model.predict(0, rows + len(admitted)) > tpot:
+                saved, need, taken = saved + 1, backlog, i + 1
+        new = [p.outputs for p in pending[:taken] if p.new]  # the requests a rescue admits
+        if saved and self.model.predict(0, rows + len(new)) > tpot:
             saved = 0  # admitted, they would decode too slowly to meet the TPOT target
         self.ttft_risk = saved > 0
         if not saved:
             return 0
 
-        def broken(tokens: int, added: list[int]) -> int:
+        def broken(tokens: int, charges: list[float]) -> int:
             stall = self._stall(tokens, rows, pending[0].context)
-            return sum(1 for life, _, rem in protected if life < stall + self._rows_cost(rem, added))
+            return sum(1 for (life, _, _), c in zip(protected, charges, strict=True) if life < stall + c)
 
+        charges = [0.0] * len(protected)
+        for outputs in new:
+            charges = self._admit(protected, charges, outputs)
         chunk = min(room, need)  # whole prompts: a part of the next would only spend slack
-        lost = broken(chunk, admitted)
+        lost = broken(chunk, charges)
         if lost * self.RESCUE_COST > saved:
             return 0
         for p in pending[taken:]:  # the step pays its jump anyway: take whole prompts that cost no one
-            more, added = chunk + p.prompt_tokens_left, [*admitted, p.outputs] if p.new else admitted
+            more = chunk + p.prompt_tokens_left
+            added = self._admit(protected, charges, p.outputs) if p.new else charges
             if more > room or broken(more, added) > lost:
                 break
-            chunk, admitted = more, added
+            chunk, charges = more, added
         return chunk
 
     def ttft_lost(self, waited_s: float, prompt_tokens_left: int, decode_rows: int) -> bool:
