@@ -76,6 +76,9 @@ CASES = {
     "window": (3, 3, 16, [(0, 300, 0), (300, 64, 700)], 100),
     "window_smaller_than_a_tile": (2, 2, 16, [(0, 90, 13)], 7),
     "block_size_32": (2, 3, 32, [(0, 90, 45)], -1),
+    # enough query tiles that an item takes 8 of them (each K/V chunk read once per item)
+    "items_of_eight_tiles": (3, 3, 16, [(0, 1000, 0), (1000, 600, 2500), (1600, 37, 5)], -1),
+    "items_of_eight_tiles_window": (3, 3, 16, [(0, 1100, 0), (1100, 500, 2000)], 300),
 }
 
 
