@@ -7,6 +7,7 @@ of loop turn; a step with prompt tokens 15 ms more + 0.24 ms a token; +-5% noise
 compare in a second without the machine's noise; real runs decide.
 
     python docs/slo/sim_trace.py [TPOT_TARGET_S] [SEEDS]
+    python docs/slo/sim_trace.py uniform [SEEDS]   # 64 x 128/128 at 4 req/s: TTFT / TPOT p50, p99
 """
 import sys, random
 from swiftserve.bench.datasets import random_dataset
@@ -24,9 +25,13 @@ def cost(k, rows, noise):
         c += 0.015 + 0.00024 * k
     return c * noise
 
-def run(rate, seed, targets, budget, slo=(1.0, 0.025), n=60, verbose=False):
-    reqs = random_dataset(n, "64:0.75,1024:0.25", "64", 8000, seed)
-    gaps = intervals(n, rate, 0.3, seed)
+def run(rate, seed, targets, budget, slo=(1.0, 0.025), n=60, verbose=False, uniform=False):
+    if uniform:  # the 128/128 trace, Poisson arrivals
+        reqs = random_dataset(n, "128", "128", 8000, seed)
+        gaps = intervals(n, rate, 1.0, seed)
+    else:
+        reqs = random_dataset(n, "64:0.75,1024:0.25", "64", 8000, seed)
+        gaps = intervals(n, rate, 0.3, seed)
     arrivals, t = [], 0.0
     for g in gaps:
         t += g; arrivals.append(t)
@@ -68,7 +73,21 @@ def run(rate, seed, targets, budget, slo=(1.0, 0.025), n=60, verbose=False):
     ttfts.sort(); tpots.sort()
     return good / dur, n / dur, ttfts[n // 2], ttfts[int(0.99 * n)], tpots[n // 2], tpots[int(0.99 * n)]
 
+def uniform_table(seeds):
+    """TTFT and TPOT p50 / p99 (ms, pooled over seeds) on the uniform trace at 4 req/s."""
+    configs = [("fixed2048", None), ("adaptive 300/30", SLOTargets(0.3, 0.03)),
+               ("adaptive 1000/30", SLOTargets(1.0, 0.03))]
+    for name, targets in configs:
+        rows = [run(4.0, 1000 * s, targets, 2048, slo=(1.0, 0.03), n=64, uniform=True) for s in seeds]
+        cols = [sum(r[i] for r in rows) / len(rows) * 1e3 for i in (2, 3, 4, 5)]
+        worst = max(r[3] for r in rows) * 1e3
+        print(f"{name:18s} TTFT p50 {cols[0]:.0f} p99 {cols[1]:.0f} (worst seed {worst:.0f}) "
+              f"TPOT p50 {cols[2]:.1f} p99 {cols[3]:.1f} ms")
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "uniform":
+        uniform_table(range(int(sys.argv[2]) if len(sys.argv) > 2 else 8))
+        sys.exit(0)
     tp = float(sys.argv[1]) if len(sys.argv) > 1 else 0.025
     seeds = range(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
     configs = [("fixed256", None, 256), ("fixed512", None, 512), ("fixed2048", None, 2048),
