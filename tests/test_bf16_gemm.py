@@ -4,6 +4,8 @@ panels, bias, strided and N-d inputs; pack_linears picks it and honours the oneD
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,3 +132,27 @@ def test_amx_path_is_batch_invariant_up_to_its_limit() -> None:
         assert torch.equal(got, one_by_one[:rows]), rows
         assert_matches_f_linear(got, linear, x[:rows])
     assert_matches_f_linear(layer(x), linear, x)  # one row more: the vector path
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_warm_up_makes_the_onednn_copies_at_start_and_changes_no_output(
+    tmp_path: Path, quantization: str | None
+) -> None:
+    """`swiftserve serve` (EngineConfig.warm_up) makes the oneDNN copies that large steps use
+    at start; the offline default makes them in the first large step. Same tokens either way."""
+    from swiftserve import LLM, SamplingParams
+    from swiftserve.tools.demo import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "m", preset="tiny", architecture="llama", hidden_size=256)
+    prompt = {"prompt_token_ids": list(range(5, 405))}  # 400 rows: past every AMX GEMM limit
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = []
+    for warm in (False, True):
+        llm = LLM(str(path), dtype="bfloat16", warm_up=warm, quantization=quantization, progress=False)
+        model = llm.engine.executor.worker.model
+        copies = [m.onednn is not None for m in model.modules() if getattr(m, "dual", False)]
+        if not copies:
+            pytest.skip("no oneDNN copies on this CPU (AMX only)")
+        assert copies and all(copies) is warm and any(copies) is warm
+        outs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+    assert outs[0] == outs[1]

@@ -189,6 +189,9 @@ class EngineConfig:
     busy_poll: bool = False
     kv_cache_dtype: str = "auto"
     step_log: str | None = None  # a JSON line per step: planned, predicted, measured (engine/step_log.py)
+    # make lazily built weight copies (oneDNN's, for steps past our AMX GEMM) at start rather than
+    # in the first large step (~0.1-0.2 s of one request's TTFT); None: on for `swiftserve serve`
+    warm_up: bool | None = None
 
     def __post_init__(self) -> None:
         own = "EngineConfig"

@@ -75,7 +75,7 @@ def build_asgi_app(engine_options: dict[str, Any], server_options: dict[str, Any
     from swiftserve.engine.model_source import resolve_model
     from swiftserve.server.app import create_app
 
-    config = EngineConfig(**engine_options)
+    config = EngineConfig(**{"warm_up": True, **engine_options})  # a server warms up at start
     path = resolve_model(config.model)
     settings = ServerSettings(**server_options)
     settings = dataclasses.replace(

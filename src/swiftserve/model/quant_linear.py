@@ -122,13 +122,17 @@ class Int8Linear(nn.Module):
         """The weight this layer computes with, in the compute dtype."""
         return dequantize_int8(self.int8_values(), self.scale).to(self.scale.dtype)
 
+    def add_onednn_copy(self) -> None:
+        """Make the prepacked int8 copy large steps use (on first use, or at a server's start)."""
+        self.onednn = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+        self._onednn_scales = (self.scale.float(), torch.zeros(self.out_features, dtype=torch.long))
+
     def _onednn_mm(self, x: torch.Tensor) -> torch.Tensor:
         """W8A8 through oneDNN's int8 GEMM on the prepacked copy (made here on first use), the
         activations quantized with one scale for the step (dynamic, per tensor, as PyTorch's own
         x86 int8 path does): the GEMM writes bfloat16 directly, no per-row pass after it."""
         if self.onednn is None:
-            self.onednn = torch.ops.onednn.qlinear_prepack(self.qweight, None)
-            self._onednn_scales = (self.scale.float(), torch.zeros(self.out_features, dtype=torch.long))
+            self.add_onednn_copy()
         xu, xs = self.kernel.quantize_rows_int8(x.contiguous(), True, True)  # one scale: no epilogue
         w_scale, w_zero = self._onednn_scales
         return torch.ops.onednn.qlinear_pointwise(  # type: ignore[no-any-return]
@@ -271,11 +275,15 @@ class Int4Linear(nn.Module):
         """The weight this layer computes with, in the compute dtype."""
         return dequantize_int4(self.int4_values(), self.scale, self.zero).to(self.scale.dtype)
 
+    def add_onednn_copy(self) -> None:
+        """Make the oneDNN-packed bf16 copy large steps use (on first use, or at a server's start)."""
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.dequantized(), 1)
+
     def _onednn_mm(self, x: torch.Tensor) -> torch.Tensor:
         """The dequantized weight's oneDNN-packed bfloat16 copy (made here on first use, so a
         single-stream user pays neither its memory nor its time): equal to the F.linear path."""
         if self.onednn is None:
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.dequantized(), 1)
+            self.add_onednn_copy()
         return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
             x.contiguous(), self.onednn, None, "none", [], ""
         )

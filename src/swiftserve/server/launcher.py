@@ -28,7 +28,7 @@ def run_server(settings: ServerSettings, engine_options: dict[str, Any]) -> int:
     timeline = startup.Timeline("server")
     startup.set_current(timeline)
     timeline.mark("command line parsed")
-    config = EngineConfig(**engine_options)
+    config = EngineConfig(**{"warm_up": True, **engine_options})  # a server warms up at start
     path = resolve_model(config.model)
     settings = replace(
         settings, served_model_name=settings.served_model_name or config.model or "swiftserve-demo"

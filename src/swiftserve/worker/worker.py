@@ -22,6 +22,7 @@ from swiftserve.model.kv_quant import bytes_per_row
 from swiftserve.model.llama import LlamaForCausalLM
 from swiftserve.model.loader import load_model
 from swiftserve.model.ops import KernelOptions, select_ops
+from swiftserve.model.packed_linear import make_onednn_copies
 from swiftserve.model.quant_linear import quantize_model, weight_bytes
 from swiftserve.worker.draft_runner import DraftRunner, check_draft
 from swiftserve.worker.guided import GuidedDecoding
@@ -177,6 +178,8 @@ class Worker:
                 )
                 logger.info("quantized %d linear layers to %s", count, config.quantization)
             logger.info("prepacked %d linear layers", self.ops.pack_linears(model))  # what is left in bf16
+            if config.warm_up:
+                logger.info("warm-up: %d oneDNN weight copies made at start", make_onednn_copies(model))
             model.stack = self.ops.stack_weights(model)  # (a stage's: its own layers)
         self.model = model
         self.runner: ModelRunner | None = None
