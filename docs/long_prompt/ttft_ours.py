@@ -5,7 +5,7 @@ if __name__ == "__main__":
 
     # optional: key=value engine options after the output path, e.g. prompt_tiles=0
     opts = {k: int(v) if v.isdigit() else v for k, v in (a.split("=", 1) for a in sys.argv[2:])}
-    llm = LLM(model="/tmp/smol16k", dtype="bfloat16", max_model_len=16384, enable_prefix_caching=False, **opts)
+    llm = LLM(model="/tmp/smol16k", dtype="bfloat16", max_model_len=16384, enable_prefix_caching=False, **{"warm_up": True, **opts})
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5] * 64}], sp, use_tqdm=False)
     out = {}

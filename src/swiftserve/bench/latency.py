@@ -19,7 +19,7 @@ def main(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
 
     from swiftserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine)
+    llm = LLM(args.model, **{"warm_up": True, **engine})  # steady state, as vLLM's profile run gives it
     vocab = llm.engine.model_info.vocab_size
     rng = random.Random(args.bench_seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

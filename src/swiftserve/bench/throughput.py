@@ -29,7 +29,7 @@ def run_swiftserve(
 ) -> dict[str, Any]:
     from swiftserve import LLM, SamplingParams
 
-    llm = LLM(model, **engine)
+    llm = LLM(model, **{"warm_up": True, **engine})  # steady state, as vLLM's profile run gives it
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
