@@ -7,8 +7,8 @@
 // table, and every K/V tile it loads serves 16 queries. A work item is up to 8 query tiles of
 // one KV head's query heads; it takes the keys in chunks of 1,024 and runs every (tile, head)
 // over a chunk while the chunk is in L2, so K and V come from L3 once per item, not once per
-// tile (that alone took 20-25% off a 2,048-token chunk after 4k-10k tokens). Orientation (chosen so that nothing
-// on the hot path needs a transpose):
+// tile (that alone took 20-25% off a 2,048-token chunk after 4k-10k tokens). Orientation
+// (chosen so that nothing on the hot path needs a transpose):
 //   S^T [32 keys x 16 queries] = K [keys x dims] . Q^T      (A = K rows as they sit in a block,
 //                                                             B = Q^T packed once per item)
 //   softmax runs down the key rows: one zmm holds 16 queries, so max/exp/sum are vertical ops
@@ -218,88 +218,103 @@ inline void issue_values(const c10::BFloat16* vt, uint16_t (*pt)[32]) {
   _tile_dpbf16ps(3, 6, 7);
 }
 
-// One item: query tiles [tile0, tile0 + tiles) of run r for query heads [g0, g1) of KV head h.
-// Keys go in chunks of 1,024; each chunk, once in L2, is read by every (tile, head) of the
-// item in turn (K and V^T come from L3 once per item rather than once per tile).
-void attend(const Problem& p, int64_t r, int64_t h, int64_t tile0, int64_t tiles, int64_t g0, int64_t g1, Scratch& w) {
-  const Run& run = p.runs[r];
-  const int64_t G = g1 - g0;
-  Query qys[kItemTiles];
+// What an item keeps per query tile: positions, the groups of keys it sees, rows that exist.
+struct Tiles {
+  Query qy[kItemTiles];
   int64_t lo[kItemTiles], hi[kItemTiles], valid[kItemTiles];
-  bool started[kSlots];
+  int64_t first_group = std::numeric_limits<int64_t>::max(), last_group = 0;
+};
+
+// The item's query tiles: their positions and key ranges, Q^T in pairs per (tile, head)
+// (padding columns repeat the last query) and fresh softmax state.
+void start_item(const Problem& p, int64_t r, int64_t h, int64_t tile0, int64_t tiles, int64_t g0, int64_t G,
+                Tiles& ts, Scratch& w) {
+  const Run& run = p.runs[r];
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  int64_t c_first = std::numeric_limits<int64_t>::max(), c_last = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t first = (tile0 + t) * TQ;
-    valid[t] = std::min<int64_t>(TQ, run.n - first);
-    Query& qy = qys[t];
+    ts.valid[t] = std::min<int64_t>(TQ, run.n - first);
+    Query& qy = ts.qy[t];
     qy.qa = run.pos + first;
-    qy.qb = qy.qa + valid[t] - 1;
+    qy.qb = qy.qa + ts.valid[t] - 1;
     qy.pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(qy.qa)), lane),
                               _mm512_set1_epi32(static_cast<int>(qy.qb)));
-    lo[t] = p.window > 0 ? std::max<int64_t>(0, (qy.qa - p.window + 1 - run.lo) / TK) : 0;
-    hi[t] = (qy.qb - run.lo) / TK;
-    c_first = std::min(c_first, lo[t]);
-    c_last = std::max(c_last, hi[t]);
-    for (int64_t g = 0; g < G; ++g) {  // Q^T in pairs (padding columns repeat the last query)
+    ts.lo[t] = p.window > 0 ? std::max<int64_t>(0, (qy.qa - p.window + 1 - run.lo) / TK) : 0;
+    ts.hi[t] = (qy.qb - run.lo) / TK;
+    ts.first_group = std::min(ts.first_group, ts.lo[t]);
+    ts.last_group = std::max(ts.last_group, ts.hi[t]);
+    for (int64_t g = 0; g < G; ++g) {
       const int64_t slot = t * G + g;
       for (int64_t n = 0; n < TQ; ++n) {
-        const int64_t row = run.row + first + std::min(n, valid[t] - 1);
+        const int64_t row = run.row + first + std::min(n, ts.valid[t] - 1);
         const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (row * p.H + h * p.G + g0 + g) * D);
         for (int64_t half = 0; half < 2; ++half)
           for (int64_t pair = 0; pair < 16; ++pair) w.qt[slot][half][pair][n] = src[half * 16 + pair];
       }
       _mm512_store_ps(w.m[slot], _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
       _mm512_store_ps(w.l[slot], _mm512_setzero_ps());
-      started[slot] = false;
     }
   }
+}
+
+// One (tile, head) over key groups [from, to]: O^T in tiles 0-3 (from w.o unless it starts
+// here), software-pipelined: while the vector units run the softmax of group j, the AMX unit
+// has P.V of group j - 1 and the scores of group j + 1 queued (issued just before).
+void walk(const Problem& p, int64_t r, int64_t h, const Query& qy, int64_t from, int64_t to, int64_t slot,
+          bool started, Scratch& w) {
+  const Run& run = p.runs[r];
   const c10::BFloat16* vt = p.vt + run.packed + h * run.groups * D * TK;
-  for (int64_t chunk = c_first / kChunkGroups * kChunkGroups; chunk <= c_last; chunk += kChunkGroups) {
+  if (started) {
+    load_o(w.o[slot]);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  __m512 m_used = _mm512_load_ps(w.m[slot]), l = _mm512_load_ps(w.l[slot]);
+  issue_scores(p, r, h, run.lo + from * TK, qy, w.qt[slot]);
+  for (int64_t grp = from; grp <= to; ++grp) {
+    const int64_t k0 = run.lo + grp * TK;
+    _tile_stored(4, w.s[0], 64);
+    _tile_stored(5, w.s[16], 64);
+    if (grp > from) {
+      issue_values(vt + (grp - 1) * D * TK, w.pt[(grp - 1) & 1]);
+      started = true;
+    }
+    if (grp < to) issue_scores(p, r, h, k0 + TK, qy, w.qt[slot]);
+    softmax(p, k0, qy, m_used, l, started, w.pt[grp & 1], w);
+  }
+  issue_values(vt + to * D * TK, w.pt[to & 1]);
+  store_o(w.o[slot]);
+  _mm512_store_ps(w.m[slot], m_used);
+  _mm512_store_ps(w.l[slot], l);
+}
+
+// One item: query tiles [tile0, tile0 + tiles) of run r for query heads [g0, g1) of KV head h.
+// Keys go in chunks of 1,024; each chunk, once in L2, is read by every (tile, head) of the
+// item in turn (K and V^T come from L3 once per item rather than once per tile).
+void attend(const Problem& p, int64_t r, int64_t h, int64_t tile0, int64_t tiles, int64_t g0, int64_t g1, Scratch& w) {
+  const Run& run = p.runs[r];
+  const int64_t G = g1 - g0;
+  Tiles ts;
+  start_item(p, r, h, tile0, tiles, g0, G, ts, w);
+  bool started[kSlots] = {};
+  for (int64_t chunk = ts.first_group / kChunkGroups * kChunkGroups; chunk <= ts.last_group; chunk += kChunkGroups)
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t from = std::max(chunk, lo[t]), to = std::min(hi[t], chunk + kChunkGroups - 1);
+      const int64_t from = std::max(chunk, ts.lo[t]), to = std::min(ts.hi[t], chunk + kChunkGroups - 1);
       if (from > to) continue;
-      const Query& qy = qys[t];
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t slot = t * G + g;
-        bool on = started[slot];
-        if (on) {
-          load_o(w.o[slot]);
-        } else {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-        }
-        __m512 m_used = _mm512_load_ps(w.m[slot]), l = _mm512_load_ps(w.l[slot]);
-        // Software pipeline: while the vector units run the softmax of group j, the AMX unit
-        // has P.V of group j - 1 and the scores of group j + 1 queued (issued just before).
-        issue_scores(p, r, h, run.lo + from * TK, qy, w.qt[slot]);
-        for (int64_t grp = from; grp <= to; ++grp) {
-          const int64_t k0 = run.lo + grp * TK;
-          _tile_stored(4, w.s[0], 64);
-          _tile_stored(5, w.s[16], 64);
-          if (grp > from) {
-            issue_values(vt + (grp - 1) * D * TK, w.pt[(grp - 1) & 1]);
-            on = true;
-          }
-          if (grp < to) issue_scores(p, r, h, k0 + TK, qy, w.qt[slot]);
-          softmax(p, k0, qy, m_used, l, on, w.pt[grp & 1], w);
-        }
-        issue_values(vt + to * D * TK, w.pt[to & 1]);
-        started[slot] = true;
-        store_o(w.o[slot]);
-        _mm512_store_ps(w.m[slot], m_used);
-        _mm512_store_ps(w.l[slot], l);
+        walk(p, r, h, ts.qy[t], from, to, t * G + g, started[t * G + g], w);
+        started[t * G + g] = true;
       }
     }
-  }
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t slot = t * G + g;
       alignas(64) float inv[16];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(w.l[slot])));
-      for (int64_t n = 0; n < valid[t]; ++n) {
+      for (int64_t n = 0; n < ts.valid[t]; ++n) {
         c10::BFloat16* dst = p.out + ((run.row + (tile0 + t) * TQ + n) * p.H + h * p.G + g0 + g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(w.o[slot][d][n] * inv[n]);
       }
