@@ -187,8 +187,7 @@ inline void probabilities(const float (*s)[16], __m512 c, __m512 m_eff, __m512& 
   const __m512i expo = _mm512_set1_epi16(static_cast<short>(0xff80));
   const __m512i one_bits = _mm512_set1_epi16(0x3f80);
   const __m512bh ones = reinterpret_cast<const __m512bh&>(one_bits);
-  __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t j = 0; j < TK; j += 2) {
+  const auto pair = [&](int64_t j) {
     const __m512 t0 = _mm512_max_ps(_mm512_fmadd_ps(_mm512_load_ps(s[j]), c_steps, bias), floor);
     const __m512 t1 = _mm512_max_ps(_mm512_fmadd_ps(_mm512_load_ps(s[j + 1]), c_steps, bias), floor);
     const __m512i u = _mm512_permutex2var_epi16(_mm512_castps_si512(t0), pair_idx, _mm512_castps_si512(t1));
@@ -196,9 +195,28 @@ inline void probabilities(const float (*s)[16], __m512 c, __m512 m_eff, __m512& 
     const __m512i mant = _mm512_permutex2var_epi8(tab_lo, u, tab_hi);
     const __m512i bits = _mm512_ternarylogic_epi32(u, expo, mant, 0xe2);  // (u & expo) | (mant & ~expo)
     _mm512_store_si512(pt[j / 2], bits);
-    sum[(j / 2) & 1] = _mm512_dpbf16_ps(sum[(j / 2) & 1], reinterpret_cast<const __m512bh&>(bits), ones);
+    return reinterpret_cast<const __m512bh&>(bits);
+  };
+  // Two sums in named registers: an array indexed by the loop counter stayed in memory, and
+  // its store-to-load chain was the longest path of the loop.
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < TK; j += 4) {
+    sum0 = _mm512_dpbf16_ps(sum0, pair(j), ones);
+    sum1 = _mm512_dpbf16_ps(sum1, pair(j + 2), ones);
   }
-  l = _mm512_add_ps(l, _mm512_add_ps(sum[0], sum[1]));
+  l = _mm512_add_ps(l, _mm512_add_ps(sum0, sum1));
+}
+
+// Scores of keys a query may not see (in its future, or out of the window) set to -inf.
+inline void mask_scores(const Problem& p, int64_t k0, const Query& qy, float (*s)[16]) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i oldest = _mm512_sub_epi32(qy.pos, _mm512_set1_epi32(static_cast<int>(p.window)));
+  for (int64_t j = 0; j < TK; ++j) {
+    const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
+    __mmask16 ok = _mm512_cmple_epi32_mask(key, qy.pos);
+    if (p.window > 0) ok &= _mm512_cmpgt_epi32_mask(key, oldest);
+    _mm512_store_ps(s[j], _mm512_mask_blend_ps(ok, neg_inf, _mm512_load_ps(s[j])));
+  }
 }
 
 // Online softmax of w.s against (m, l) and O^T (tiles 0-3) += V^T . P^T.
@@ -209,22 +227,17 @@ inline void softmax(const Problem& p, int64_t k0, const Query& qy, __m512& m_use
   const bool edge = k0 + TK - 1 > qy.qa || (p.window > 0 && k0 <= qy.qb - p.window);
   // Two passes over the scores in L1 (max, then exp) rather than 32 zmm held across both:
   // that many live registers spilled.
-  // four running maxima: one chain of 32 dependent vmaxps was on every group's critical path
-  __m512 mx4[4] = {_mm512_set1_ps(neg_inf), _mm512_set1_ps(neg_inf), _mm512_set1_ps(neg_inf),
-                   _mm512_set1_ps(neg_inf)};
-  for (int64_t j = 0; j < TK; ++j) {
-    __m512 sj = _mm512_load_ps(w.s[j]);
-    if (edge) {
-      const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
-      __mmask16 ok = _mm512_cmple_epi32_mask(key, qy.pos);
-      if (p.window > 0)
-        ok &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(qy.pos, _mm512_set1_epi32(static_cast<int>(p.window))));
-      sj = _mm512_mask_blend_ps(ok, _mm512_set1_ps(neg_inf), sj);
-      _mm512_store_ps(w.s[j], sj);
-    }
-    mx4[j & 3] = _mm512_max_ps(mx4[j & 3], sj);
+  if (edge) mask_scores(p, k0, qy, w.s);
+  // four running maxima in named registers: one chain of 32 dependent vmaxps (or an array
+  // indexed by the counter, which stays in memory) was on every group's critical path
+  __m512 mx0 = _mm512_set1_ps(neg_inf), mx1 = mx0, mx2 = mx0, mx3 = mx0;
+  for (int64_t j = 0; j < TK; j += 4) {
+    mx0 = _mm512_max_ps(mx0, _mm512_load_ps(w.s[j]));
+    mx1 = _mm512_max_ps(mx1, _mm512_load_ps(w.s[j + 1]));
+    mx2 = _mm512_max_ps(mx2, _mm512_load_ps(w.s[j + 2]));
+    mx3 = _mm512_max_ps(mx3, _mm512_load_ps(w.s[j + 3]));
   }
-  const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+  const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx0, mx1), _mm512_max_ps(mx2, mx3));
   // rounded up to a multiple of 1/128, so that x's steps line up with the table's exactly
   const __m512 m_new = _mm512_mul_ps(
       _mm512_roundscale_ps(_mm512_mul_ps(_mm512_mul_ps(mx, c), _mm512_set1_ps(kSteps)), _MM_FROUND_TO_POS_INF),
