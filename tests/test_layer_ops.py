@@ -70,6 +70,24 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     close(OPS.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_at_extremes_and_odd_widths(dtype: torch.dtype) -> None:
+    # the vector path's exp and reciprocal at overflow (e^89 is inf in float32), underflow,
+    # zero and NaN; 40 columns leave a scalar tail after two vectors
+    edge = torch.tensor([-1e4, -100.0, -89.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 89.0, 1e4])
+    gate = torch.cat([edge, torch.randn(28) * 5]).repeat(3, 1)
+    up = torch.randn(3, 40)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    g, u = gate_up.split(40, dim=-1)
+    got, want = OPS.silu_and_mul(gate_up), F.silu(g) * u
+    # past x = -88 ours gives ~1e-35 where PyTorch gives -0: equal within any tolerance
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-30)
+    close(got[:, 3:], want[:, 3:])
+    nan = gate_up.clone()
+    nan[0, 3] = float("nan")
+    assert OPS.silu_and_mul(nan)[0, 3].isnan()
+
+
 def test_bad_inputs_raise_instead_of_corrupting() -> None:
     with pytest.raises(RuntimeError, match="contiguous"):
         OPS.silu_and_mul(torch.randn(8, 4).t())
