@@ -13,6 +13,7 @@ import pytest
 
 from swiftserve.config import EngineConfig
 from swiftserve.core.block_manager import BlockManager
+from swiftserve.core.deadlines import DeadlineKeeper
 from swiftserve.core.messages import RunnerOutput
 from swiftserve.core.request import Request, RequestStatus
 from swiftserve.core.request_queue import FCFSQueue, PriorityQueue
@@ -168,6 +169,23 @@ def test_expired_and_infeasible_deadlines_fail_early_with_their_error() -> None:
         sim.step()
     assert sim.finished["fine"].status == RequestStatus.FINISHED_LENGTH
     assert sim.sched.bm.num_free_blocks == sim.sched.bm.num_blocks
+
+
+def test_early_failure_bounds_decode_by_the_fastest_step_not_the_average() -> None:
+    # decode steps alternate 10 and 30 ms (average 20): 50 tokens need >= 0.5 s, not 1.0 s
+    cost = StepCostModel(refit_every=1, min_samples=4)
+    for i in range(40):
+        cost.observe(0, 4, 0.010 if i % 2 else 0.030)
+        cost.observe(64 * (1 + i % 4), 4, 0.020 + 0.0002 * 64 * (1 + i % 4))
+    assert cost.ready and cost.predict(0, 4) * 50 > 0.8  # the average would fail "feasible"
+    assert cost.fastest_decode(4) == 0.010 and cost.fastest_decode(2) == cost.predict(0, 2)
+    keeper = DeadlineKeeper(cost)
+    keeper.track(feasible := req("feasible", 0.0, deadline=0.8, max_tokens=50), +1)
+    keeper.track(hopeless := req("hopeless", 0.0, deadline=0.3, max_tokens=50), +1)
+    running = [req(f"r{i}", prompt=4, max_tokens=100) for i in range(3)]
+    for r in running:
+        r.num_computed_tokens = r.num_tokens  # decoding
+    assert keeper.due(0.0, running, [feasible, hopeless]) == [hopeless]
 
 
 def test_a_running_request_past_its_deadline_frees_its_blocks() -> None:

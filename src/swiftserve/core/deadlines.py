@@ -5,9 +5,10 @@ A request with a deadline (the API's ``timeout``, ``LLM.generate(timeout=)``) en
 when even a lower-bound estimate of its finish misses it: its prompt tokens still to
 compute plus those of everything queued ahead of it, at the fitted cost per prompt token,
 then the output tokens it must produce whatever it samples (``min_remaining_outputs``) at
-the fitted cost of a decode step. Failing it at once answers the client early and spends no
-compute on a result that would be thrown away; ``wasted_tokens`` counts the tokens computed
-for requests that still ended this way.
+the cost of the fastest recent decode step with no more rows (the fitted cost is an average:
+used as a bound it failed requests that would have made it). Failing it at once answers the
+client early and spends no compute on a result that would be thrown away; ``wasted_tokens``
+counts the tokens computed for requests that still ended this way.
 """
 
 from __future__ import annotations
@@ -42,18 +43,20 @@ class DeadlineKeeper:
         ready = self.cost.ready
         per_token = self.cost.coef[1]
         rows = sum(1 for r in running if r.num_tokens - r.num_computed_tokens <= 1)
+        # once per step, not per request: each scans the cost model's window
+        step_now, step_later = self.cost.fastest_decode(rows), self.cost.fastest_decode(rows + 1)
         out: list[Request] = []
         backlog = 0
         for r in running:
             left = max(0, r.num_prompt_tokens - r.num_computed_tokens)
             backlog += left
             if r.deadline is not None:
-                finish = now + left * per_token + r.min_remaining_outputs() * self.cost.predict(0, rows)
+                finish = now + left * per_token + r.min_remaining_outputs() * step_now
                 self._check(r, now, finish if ready else now, out)
         for r in waiting:  # in the order they will be admitted
             backlog += r.num_tokens - r.num_computed_tokens
             if r.deadline is not None:
-                decode = r.min_remaining_outputs() * self.cost.predict(0, rows + 1)
+                decode = r.min_remaining_outputs() * step_later
                 self._check(r, now, now + backlog * per_token + decode if ready else now, out)
         self._failed.extend(out)
         return out

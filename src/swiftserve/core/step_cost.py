@@ -132,6 +132,14 @@ class StepCostModel:
         jump = self.jump if prompt_tokens > 0 else 0.0
         return fixed + jump + per_token * prompt_tokens + per_row * decode_rows + self.per_pair * pairs
 
+    def fastest_decode(self, decode_rows: int) -> float:
+        """A lower bound on a decode-only step of ``decode_rows`` rows: the fastest such step
+        in the window with no more rows (``predict`` when there is none). ``predict`` is an
+        average, and a deadline check that treats it as a bound failed requests that then
+        would have made it (issue 18: 3 of 9 at a 2 s timeout)."""
+        seen = [y for x, y in self._samples[0] if x[2] <= decode_rows]
+        return min(seen) if seen else self.predict(0, decode_rows)
+
     def max_prompt_tokens(self, seconds: float, decode_rows: int, context: int = 0) -> int:
         """The most prompt tokens a step with ``decode_rows`` can take within ``seconds``, as
         one chunk after ``context`` computed tokens: the root of
