@@ -88,6 +88,29 @@ def test_freed_cached_blocks_are_reused_in_lru_order() -> None:
     assert bm.num_free_blocks == 4
 
 
+def test_blocks_without_a_hash_are_reused_first_and_last_freed_first() -> None:
+    """Empty blocks go out before cached ones, the warmest first: their pages are mapped."""
+    bm = BlockManager(8, 2)
+    cached = make_request("cached", [1, 2, 3, 4])  # two full blocks, both cached
+    admit(bm, cached)
+    bm.free(cached)
+    plain = BlockManager(8, 2, enable_prefix_caching=False)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    admit(plain, a)
+    first_table = list(plain.block_table("a"))
+    plain.free(a)
+    b = make_request("b", [6, 7, 8])
+    admit(plain, b)
+    assert plain.block_table("b") == first_table[:2]  # the same memory again, not blocks 3-4
+    # with caching on, a new prompt takes never-used blocks, and the cached prefix survives
+    c = make_request("c", [9, 9, 9, 9, 9, 9, 9])
+    admit(bm, c)
+    assert len(bm.get_computed_blocks(make_request("d", [1, 2, 3, 4, 0]))) == 2
+    bm.reset_prefix_cache()
+    bm.free(c)
+    assert bm.num_free_blocks == 8 and bm.usage == 0.0
+
+
 def test_allocation_failure_changes_nothing() -> None:
     bm = BlockManager(2, 4)
     big = make_request("big", list(range(12)))

@@ -6,6 +6,12 @@ stored beside the block and re-checked on a hit, so a hash collision can never s
 KV. A freed block keeps its hash until it is reused: the free list is ordered LRU (oldest
 freed first out), and a request frees its blocks tail-first so that shared prefix blocks,
 which are the most reusable, are evicted last.
+
+Free blocks without a hash (never used, a partial tail, prefix caching off) hold nothing
+worth keeping, so they are handed out first and last-freed-first: a steady load keeps
+reusing the same memory, whose pages are already mapped and likely still in cache, instead
+of first-touching a fresh part of the pool for every new prompt (on the CPU the pool is
+mapped lazily; measured, a 1k prompt's 5,760 page faults).
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Free blocks in LRU order: popitem(last=False) yields the least recently freed.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Free blocks with a hash, in LRU order: popitem(last=False) yields the least recently freed.
+        self._free: OrderedDict[int, None] = OrderedDict()
+        # Free blocks without a hash, a stack: pop() yields the last freed (block 0 first at start).
+        self._spare: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         # Counted by the scheduler on admission (a lookup may be retried while blocked).
@@ -49,12 +57,12 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._spare)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by live requests (cached-but-free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -123,7 +131,7 @@ class BlockManager:
         total = len(computed) * self.block_size if not table else request.num_computed_tokens
         need = self.blocks_needed(total + num_new_tokens) - len(table) - len(computed)
         revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
-        return need + revived <= len(self._free)
+        return need + revived <= self.num_free_blocks
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: list[int] | None = None
@@ -149,6 +157,10 @@ class BlockManager:
         return True
 
     def _pop_free(self) -> int:
+        if self._spare:
+            block_id = self._spare.pop()
+            self.blocks[block_id].ref_count = 1
+            return block_id
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its cache entry: the block gets new content
@@ -165,7 +177,9 @@ class BlockManager:
         for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if block.ref_count == 0 and block.block_hash is None:
+                self._spare.append(block_id)
+            elif block.ref_count == 0:
                 self._free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
@@ -174,6 +188,8 @@ class BlockManager:
             block.block_hash = None
             block.key = None
         self._cached.clear()
+        self._spare.extend(self._free)  # oldest first, so the most recently freed pops first
+        self._free.clear()
 
 
 def fits_in_kv_pool(
