@@ -100,6 +100,22 @@ def test_kernel_equals_exact_attention(case: str) -> None:
     torch.testing.assert_close(out[covered].float(), want[covered], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("case", ["two_runs_one_deep", "gqa_4", "items_of_eight_tiles"])
+def test_queries_may_be_a_strided_view_of_fused_qkv(case: str) -> None:
+    """q as the model hands it over: the first columns of the fused q/k/v output."""
+    assert KERNELS is not None
+    kv_heads, group, block_size, runs, window = CASES[case]
+    k_cache, v_cache, tables, run_t = make_cache(kv_heads, block_size, runs)
+    rows, heads = sum(n for _, n, _ in runs), kv_heads * group
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * D, generator=torch.Generator().manual_seed(2)).bfloat16()
+    q = qkv[:, : heads * D].view(rows, heads, D)
+    assert not q.is_contiguous()
+    got, want = torch.zeros_like(q.contiguous()), torch.zeros_like(q.contiguous())
+    KERNELS.prompt_tiles(q, k_cache, v_cache, tables, run_t, got, D**-0.5, window)
+    KERNELS.prompt_tiles(q.contiguous(), k_cache, v_cache, tables, run_t, want, D**-0.5, window)
+    assert torch.equal(got, want)
+
+
 @pytest.fixture(
     scope="module",
     params=[(4, 2, None), (8, 2, None), (4, 1, None), (4, 2, 40)],

@@ -24,7 +24,7 @@
 // CPU flash attention does for bf16 inputs; they are built as bf16 bits directly, from a
 // 128-entry table of 2^(j/128) (see `probabilities`).
 //
-// q: [T, H, 64] bf16 (contiguous); caches [KVH, NB, BS, 64] bf16 with BS % 16 == 0;
+// q: [T, H, 64] bf16, rows may be strided (a view of the fused q/k/v output); caches [KVH, NB, BS, 64] bf16 with BS % 16 == 0;
 // tables [R, nb] int64; runs [R, 3] int64 = (first query row, rows, position of the first
 // row): row i of run r is a query at position runs[r,2] + i that sees keys up to itself
 // (within `window` when window > 0). Results are written into `out` rows of the runs only.
@@ -67,6 +67,7 @@ struct Problem {
   c10::BFloat16* out;
   const int64_t* tables;
   int64_t H, KVH, G, NB, BS, nb, window;
+  int64_t q_stride;  // elements between query rows
   float c;  // scale * log2(e): scores go straight to exp2 units
   const Run* runs;
   c10::BFloat16* vt;  // packed V^T: per (run, kv head, group) [64 dims][32 keys]
@@ -301,7 +302,7 @@ void start_item(const Problem& p, int64_t r, int64_t h, int64_t tile0, int64_t t
       const int64_t slot = t * G + g;
       for (int64_t n = 0; n < TQ; ++n) {
         const int64_t row = run.row + first + std::min(n, ts.valid[t] - 1);
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (row * p.H + h * p.G + g0 + g) * D);
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + row * p.q_stride + (h * p.G + g0 + g) * D);
         for (int64_t half = 0; half < 2; ++half)
           for (int64_t pair = 0; pair < 16; ++pair) w.qt[slot][half][pair][n] = src[half * 16 + pair];
       }
@@ -407,8 +408,9 @@ void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Te
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && kc.scalar_type() == torch::kBFloat16 &&
                   vc.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "prompt_tiles: bfloat16 only");
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous(),
-              "prompt_tiles: contiguous inputs");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && kc.is_contiguous() && vc.is_contiguous() &&
+                  out.is_contiguous(),
+              "prompt_tiles: contiguous inputs (q's rows may be strided)");
   TORCH_CHECK(q.size(2) == D && kc.size(3) == D, "prompt_tiles: head_dim 64 only");
   TORCH_CHECK(q.size(1) % kc.size(0) == 0 && q.size(1) / kc.size(0) <= kMaxGroup, "prompt_tiles: 1-8 query heads per KV head");
   TORCH_CHECK(kc.size(2) % 16 == 0, "prompt_tiles: block_size must be a multiple of 16");
@@ -435,7 +437,7 @@ void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Te
   if (!vt.defined() || vt.numel() < packed) vt = torch::empty({std::max<int64_t>(packed, 1) * 5 / 4}, q.options());
   Problem p{q.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(),
             out.data_ptr<c10::BFloat16>(), tab.data_ptr<int64_t>(), q.size(1), KVH, q.size(1) / KVH,
-            kc.size(1), kc.size(2), tab.size(1), window, static_cast<float>(scale * 1.4426950408889634),
+            kc.size(1), kc.size(2), tab.size(1), window, q.stride(0), static_cast<float>(scale * 1.4426950408889634),
             list.data(), vt.data_ptr<c10::BFloat16>()};
   // Items: (run, kv head, tile of 16 queries, share of the G query heads); dealt dynamically
   // with the latest positions (the most keys) first, so the threads finish together. A small
