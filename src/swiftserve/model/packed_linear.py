@@ -66,6 +66,7 @@ class PanelLinear(nn.Module):
         self.onednn: torch.Tensor | None = None  # a oneDNN-packed second copy (AMX, small models)
         self.dual = False  # use (and on first use make) that copy for batches of ``dual_rows``+
         self.dual_rows = amx_rows + 1 if amx_rows else DUAL_PACK_ROWS
+        self.amx_silu: torch.Tensor | None = None  # an MLP's gate/up for amx_linear (add_amx_mlp)
 
     def add_onednn_copy(self) -> None:
         """Keep a oneDNN-packed copy beside the panels (twice the weight memory)."""
@@ -186,6 +187,40 @@ def _dual_pack(model: nn.Module, onednn: bool) -> int:
         min(layer.dual_rows for layer in panels),
     )
     return len(panels)
+
+
+def add_amx_mlp(model: nn.Module, kernels: ModuleType) -> int:
+    """On AMX CPUs, small models: give each MLP's gate/up PanelLinear an ``amx_silu`` copy for
+    ``kernels.amx_linear(..., silu_mul=True)`` (the gate/up GEMM with SiLU-and-mul fused into
+    its output, prompt chunks only). Same size rule as the oneDNN copies; returns how many."""
+    if not dual_packed(model) or not kernels.amx_gemm_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        linear = getattr(module, "gate_up_proj", None)
+        if not isinstance(linear, PanelLinear) or linear.bias is not None:
+            continue
+        inter = linear.out_features // 2
+        if linear.in_features % 32 or inter % 16:
+            continue
+        weight = unpack_panels(linear.packed, linear.out_features)
+        linear.amx_silu = pack_amx(interleave_gate_up(weight, inter))
+        count += 1
+    return count
+
+
+def interleave_gate_up(weight: torch.Tensor, inter: int) -> torch.Tensor:
+    """[2I, K] (gate rows, then up rows) -> blocks of 16 gate rows each followed by their 16
+    up rows: every 32-column block of the product holds matching gate and up columns."""
+    gate, up = weight[:inter].reshape(inter // 16, 16, -1), weight[inter:].reshape(inter // 16, 16, -1)
+    return torch.stack([gate, up], 1).reshape(2 * inter, -1)
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> amx_gemm.cpp's layout [N/32][K/32][2][16][16][2]: per 32-column block and 32-deep
+    k step, two AMX B tiles (16 pairs of k x 16 columns, pairs adjacent), 1 KB each."""
+    n, k = weight.shape
+    return weight.reshape(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
 def make_onednn_copies(model: nn.Module) -> int:

@@ -33,6 +33,7 @@ _SOURCES = (
     "bf16_gemm.cpp",
     "layer_stack.cpp",
     "prompt_tiles.cpp",
+    "amx_gemm.cpp",
     "bindings.cpp",
 )
 
@@ -123,7 +124,7 @@ def build_name() -> str:
     # The checkout's path too: torch's build folder records absolute source paths, so two
     # checkouts sharing one name would rebuild over each other on every switch.
     digest = hashlib.sha256(",".join((*cpu_isa(), str(here.resolve()))).encode())
-    for name in (*_SOURCES, "ops.h", "simd.h", "split.h", "amx.h"):
+    for name in (*_SOURCES, "ops.h", "simd.h", "split.h", "amx.h", "bf16_simd.h"):
         path = here / name
         if path.is_file():
             digest.update(path.read_bytes())

@@ -38,3 +38,5 @@ torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor kc, torch::Tensor
 bool prompt_tiles_available();
 void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables, torch::Tensor runs,
                   torch::Tensor out, double scale, int64_t window);
+bool amx_gemm_available();
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu_mul);

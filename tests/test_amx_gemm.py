@@ -1,0 +1,76 @@
+"""The AMX GEMM (amx_gemm.cpp): plain products equal oneDNN's bf16 GEMM, the fused gate/up
+product with SiLU-and-mul equals the unfused path (GEMM, then silu_and_mul) for every row
+remainder, and a small bf16 model's MLPs take it for prompt chunks with unchanged output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import swiftserve.model.ops as ops_module
+from swiftserve import LLM, SamplingParams
+from swiftserve.model.kernels import cpu_kernels
+from swiftserve.model.packed_linear import PanelLinear, interleave_gate_up, pack_amx
+from swiftserve.tools.demo import write_random_checkpoint
+
+OPS = cpu_kernels()
+pytestmark = pytest.mark.skipif(
+    OPS is None or not hasattr(OPS, "amx_gemm_available") or not OPS.amx_gemm_available(),
+    reason="AMX GEMM needs AMX-BF16 and AVX512-BF16",
+)
+
+
+def weights(n: int, k: int, seed: int) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).bfloat16()
+
+
+def rows(m: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("m", [1, 31, 32, 33, 130, 300, 513])
+def test_plain_product_equals_onednn(m: int) -> None:
+    w, x = weights(96, 64, 0), rows(m, 64, 1)
+    got = OPS.amx_linear(x, pack_amx(w), 96, False)
+    want = F.linear(x, w)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)  # at most a rounding step
+    assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize(("m", "k", "inter"), [(1, 64, 16), (37, 96, 48), (128, 576, 1536), (300, 64, 80)])
+def test_fused_silu_mul_equals_gemm_then_silu_and_mul(m: int, k: int, inter: int) -> None:
+    w, x = weights(2 * inter, k, 2), rows(m, k, 3) * 4  # scaled: SiLU's tails matter too
+    got = OPS.amx_linear(x, pack_amx(interleave_gate_up(w, inter)), 2 * inter, True)
+    gate_up = F.linear(x, w)
+    want = OPS.silu_and_mul(gate_up)
+    assert got.shape == (m, inter)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=1.6e-2)
+    assert (got == want).float().mean() > 0.99
+    gate, up = gate_up.float().chunk(2, -1)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        OPS.amx_linear(rows(4, 48, 0), torch.zeros(96 * 48, dtype=torch.bfloat16), 96, False)
+
+
+def test_small_model_mlps_take_the_fused_path(tmp_path: Path) -> None:
+    model_dir = write_random_checkpoint(tmp_path, preset="tiny", hidden_size=128, intermediate_size=256)
+    llm = LLM(model=str(model_dir), dtype="bfloat16", enable_prefix_caching=False)
+    model = llm.engine.executor.worker.model
+    assert sum(isinstance(m, PanelLinear) and m.amx_silu is not None for m in model.modules()) == 2
+    prompt = {"prompt_token_ids": [(7 * i) % 290 + 5 for i in range(200)]}  # one 200-row chunk
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    fused = llm.generate([prompt], params, use_tqdm=False)[0]
+    saved, ops_module.AMX_MLP_ROWS = ops_module.AMX_MLP_ROWS, 1 << 30
+    try:
+        plain = llm.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        ops_module.AMX_MLP_ROWS = saved
+    # the fused kernel gives the unfused path's bits, so the whole forward is the same
+    assert fused.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert fused.prompt_logprobs == plain.prompt_logprobs
