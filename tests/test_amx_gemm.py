@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import swiftserve.model.ops as ops_module
 from swiftserve import LLM, SamplingParams
+from swiftserve.model import packed_linear
 from swiftserve.model.kernels import cpu_kernels
 from swiftserve.model.packed_linear import PanelLinear, interleave_gate_up, pack_amx
 from swiftserve.tools.demo import write_random_checkpoint
@@ -63,14 +63,17 @@ def test_small_model_mlps_take_the_fused_path(tmp_path: Path) -> None:
     llm = LLM(model=str(model_dir), dtype="bfloat16", enable_prefix_caching=False)
     model = llm.engine.executor.worker.model
     assert sum(isinstance(m, PanelLinear) and m.amx_silu is not None for m in model.modules()) == 2
+    assert (
+        sum(isinstance(m, PanelLinear) and m.amx is not None for m in model.modules()) >= 6
+    )  # q/k/v, o, down
     prompt = {"prompt_token_ids": [(7 * i) % 290 + 5 for i in range(200)]}  # one 200-row chunk
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     fused = llm.generate([prompt], params, use_tqdm=False)[0]
-    saved, ops_module.AMX_MLP_ROWS = ops_module.AMX_MLP_ROWS, 1 << 30
+    saved, packed_linear.AMX_LINEAR_ROWS = packed_linear.AMX_LINEAR_ROWS, 1 << 30
     try:
         plain = llm.generate([prompt], params, use_tqdm=False)[0]
     finally:
-        ops_module.AMX_MLP_ROWS = saved
+        packed_linear.AMX_LINEAR_ROWS = saved
     # the fused kernel gives the unfused path's bits, so the whole forward is the same
     assert fused.outputs[0].token_ids == plain.outputs[0].token_ids
     assert fused.prompt_logprobs == plain.prompt_logprobs

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiftserve.config import KERNEL_BACKENDS
-from swiftserve.model import attention
+from swiftserve.model import attention, packed_linear
 from swiftserve.model.kv_quant import quantize_rows
 from swiftserve.model.rotary import apply_rotary
 
@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     from swiftserve.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-# Rows from which an MLP's gate/up GEMM takes amx_linear with SiLU-and-mul fused (prompt
-# chunks; measured 1.1-1.15x the GEMM + silu_and_mul from 128 rows, even at 37)
-AMX_MLP_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -199,7 +196,7 @@ class CpuOps(TorchOps):
 
     def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed = getattr(gate_up_proj, "amx_silu", None)
-        if packed is not None and x.shape[0] >= AMX_MLP_ROWS:
+        if packed is not None and x.shape[0] >= packed_linear.AMX_LINEAR_ROWS:
             # prompt chunks on AMX: SiLU-and-mul in the GEMM's epilogue, the [T, 2I] gate/up
             # output never written (the same bits as oneDNN's GEMM then silu_and_mul)
             return self.cpp.amx_linear(x, packed, gate_up_proj.out_features, True)  # type: ignore[no-any-return]
@@ -270,11 +267,11 @@ class CpuOps(TorchOps):
         )
 
     def pack_linears(self, model: nn.Module) -> int:
-        from swiftserve.model.packed_linear import add_amx_mlp, dual_packed, dual_rows, pack_linears
+        from swiftserve.model.packed_linear import add_amx_copies, dual_packed, dual_rows, pack_linears
 
         count = pack_linears(model, self.cpp if self.options.bf16_gemm == "panel" else None)
         if self.options.bf16_gemm == "panel" and hasattr(self.cpp, "amx_linear"):
-            add_amx_mlp(model, self.cpp)
+            add_amx_copies(model, self.cpp)
         if dual_packed(model):  # large steps take oneDNN's copy: the C++ stack only below them
             self.stack_max_rows = dual_rows(model)
         return count

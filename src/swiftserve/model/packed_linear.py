@@ -30,6 +30,9 @@ AMX_ONEDNN_ROWS = 128  # rows from which PanelLinear hands the GEMM to oneDNN on
 # DUAL_PACK_ROWS where that path cannot run (in_features not a multiple of 32).
 DUAL_PACK_MAX_BYTES = 2 << 30
 DUAL_PACK_ROWS = 8
+# Rows from which a linear with an AMX-packed copy (add_amx_copies) runs amx_linear: prompt
+# chunks (below, oneDNN's copy or our kernels; at 37 rows amx_linear took 1.4-1.7x oneDNN's time)
+AMX_LINEAR_ROWS = 128
 
 
 class PackedLinear(nn.Module):
@@ -66,7 +69,8 @@ class PanelLinear(nn.Module):
         self.onednn: torch.Tensor | None = None  # a oneDNN-packed second copy (AMX, small models)
         self.dual = False  # use (and on first use make) that copy for batches of ``dual_rows``+
         self.dual_rows = amx_rows + 1 if amx_rows else DUAL_PACK_ROWS
-        self.amx_silu: torch.Tensor | None = None  # an MLP's gate/up for amx_linear (add_amx_mlp)
+        self.amx_silu: torch.Tensor | None = None  # an MLP's gate/up for amx_linear (add_amx_copies)
+        self.amx: torch.Tensor | None = None  # the weight for amx_linear (add_amx_copies)
 
     def add_onednn_copy(self) -> None:
         """Keep a oneDNN-packed copy beside the panels (twice the weight memory)."""
@@ -76,6 +80,9 @@ class PanelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.amx is not None and rows.shape[0] >= AMX_LINEAR_ROWS:
+            out = self.kernels.amx_linear(rows, self.amx, self.out_features, False)
+            return out.view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
         if self.dual and rows.shape[0] >= self.dual_rows:
             # AMX: oneDNN's packed copy beats our vector path from 8 rows (5.6x at 64) and our
             # AMX path from a few hundred; made on first use, so single-stream users pay
@@ -189,22 +196,25 @@ def _dual_pack(model: nn.Module, onednn: bool) -> int:
     return len(panels)
 
 
-def add_amx_mlp(model: nn.Module, kernels: ModuleType) -> int:
-    """On AMX CPUs, small models: give each MLP's gate/up PanelLinear an ``amx_silu`` copy for
-    ``kernels.amx_linear(..., silu_mul=True)`` (the gate/up GEMM with SiLU-and-mul fused into
-    its output, prompt chunks only). Same size rule as the oneDNN copies; returns how many."""
+def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
+    """On AMX CPUs, small models (the oneDNN copies' size rule): give each bias-free PanelLinear
+    a copy packed for ``kernels.amx_linear``, taken from AMX_LINEAR_ROWS rows (prompt chunks).
+    An MLP's gate/up gets it as ``amx_silu``, interleaved for the fused SiLU-and-mul
+    (ops.gate_up_silu); returns how many linears got one."""
     if not dual_packed(model) or not kernels.amx_gemm_available():
         return 0
+    gate_ups = {id(getattr(m, "gate_up_proj", None)) for m in model.modules()}
     count = 0
-    for module in model.modules():
-        linear = getattr(module, "gate_up_proj", None)
+    for linear in model.modules():
         if not isinstance(linear, PanelLinear) or linear.bias is not None:
             continue
-        inter = linear.out_features // 2
-        if linear.in_features % 32 or inter % 16:
+        if linear.in_features % 32 or linear.out_features % 32:
             continue
         weight = unpack_panels(linear.packed, linear.out_features)
-        linear.amx_silu = pack_amx(interleave_gate_up(weight, inter))
+        if id(linear) in gate_ups:
+            linear.amx_silu = pack_amx(interleave_gate_up(weight, linear.out_features // 2))
+        else:
+            linear.amx = pack_amx(weight)
         count += 1
     return count
 
