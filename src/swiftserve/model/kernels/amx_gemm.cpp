@@ -47,8 +47,12 @@ constexpr int64_t kRows = 32;    // rows per block (two A tiles)
 constexpr int64_t kChunk = 16;   // column blocks (512 columns) whose weights a sweep keeps in L2
 constexpr int64_t kTileElems = 512;  // bf16 elements in one B tile (16 pairs x 16 columns x 2)
 
-// Tiles 0-3 += the 32 rows at a (rows lda apart) times one 32-column block b, over K.
-inline void block_product(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ksteps) {
+// Tiles 0-3 = the 32 rows at a (rows lda apart) times one 32-column block b, over K.
+// `meanwhile` runs after the second k step: the previous block's epilogue, vector work that
+// then overlaps this block's tile products instead of stalling them (1.0-1.2x the GEMM).
+template <typename F>
+inline void block_product(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ksteps,
+                          F&& meanwhile) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -63,17 +67,21 @@ inline void block_product(const c10::BFloat16* a, int64_t lda, const c10::BFloat
     _tile_loadd(5, a + 16 * lda + ks * 32, lda * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
+    if (ks == std::min<int64_t>(1, ksteps - 1)) meanwhile();
   }
 }
 
-// The first `valid` rows of the block out of the tiles: as bf16 (plain), or silu(gate) * up
-// with the gate in the block's first 16 columns and up in its last 16 (silu_mul).
-template <bool kSiluMul>
-inline void store_block(float (*cb)[16][16], int64_t valid, c10::BFloat16* dst, int64_t ldd) {
+inline void store_tiles(float (*cb)[16][16]) {
   _tile_stored(0, cb[0], 64);
   _tile_stored(1, cb[1], 64);
   _tile_stored(2, cb[2], 64);
   _tile_stored(3, cb[3], 64);
+}
+
+// The first `valid` rows of a block's stored tiles into dst: as bf16 (plain), or silu(gate) * up
+// with the gate in the block's first 16 columns and up in its last 16 (silu_mul).
+template <bool kSiluMul>
+inline void store_rows(const float (*cb)[16][16], int64_t valid, c10::BFloat16* dst, int64_t ldd) {
   for (int64_t r = 0; r < valid; ++r) {
     const float* lo = cb[r < 16 ? 0 : 2][r % 16];
     const float* hi = cb[r < 16 ? 1 : 3][r % 16];
@@ -90,13 +98,19 @@ inline void store_block(float (*cb)[16][16], int64_t valid, c10::BFloat16* dst, 
 // Rows [m0, m1) of x against every column block: per chunk of kChunk column blocks (their
 // weights stay in L2), each 32-row block of x meets the chunk's blocks in turn (it stays in
 // L1 across them). A last block of fewer than 32 rows is copied into zero-padded scratch
-// first (tile loads read 32 rows).
+// first (tile loads read 32 rows). Each block's epilogue runs during the next one's product.
 template <bool kSiluMul>
 void sweep(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, int64_t blocks, c10::BFloat16* out,
            int64_t ldo, int64_t m0, int64_t m1) {
-  alignas(64) float cb[4][16][16];
+  alignas(64) float cb[2][4][16][16];  // the block being stored, the one being written out
   const int64_t ksteps = K / 32, width = kSiluMul ? 16 : 32;
   std::vector<c10::BFloat16> pad;
+  int64_t pending = 0;  // the previous block's tiles in cb[pending & 1], if pending_dst
+  c10::BFloat16* pending_dst = nullptr;
+  int64_t pending_rows = 0;
+  const auto finish = [&] {
+    if (pending_dst != nullptr) store_rows<kSiluMul>(cb[pending & 1], pending_rows, pending_dst, ldo);
+  };
   for (int64_t c0 = 0; c0 < blocks; c0 += kChunk) {
     const int64_t c1 = std::min(blocks, c0 + kChunk);
     for (int64_t m = m0; m < m1; m += kRows) {
@@ -110,11 +124,14 @@ void sweep(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, int64_t b
         a = pad.data();
       }
       for (int64_t nb = c0; nb < c1; ++nb) {
-        block_product(a, K, wp + nb * ksteps * 2 * kTileElems, ksteps);
-        store_block<kSiluMul>(cb, valid, out + m * ldo + nb * width, ldo);
+        block_product(a, K, wp + nb * ksteps * 2 * kTileElems, ksteps, finish);
+        store_tiles(cb[++pending & 1]);
+        pending_dst = out + m * ldo + nb * width;
+        pending_rows = valid;
       }
     }
   }
+  finish();
 }
 
 }  // namespace
