@@ -1,25 +1,25 @@
 // AMX GEMM for prompt chunks, with the MLP's SiLU-and-mul in its epilogue (issue 24).
 //
-// oneDNN's GEMM already runs at this machine's AMX rate on prompt chunks; what it cannot do is
-// the MLP's SiLU-and-mul on the way out. That pass re-read the whole [T, 2I] gate/up output
-// from L3 and wrote [T, I] back: ~8% of a 4k prompt's time. Here the gate/up weight is packed
-// so that each 32-column block holds 16 gate columns and the 16 up columns that go with them:
-// a block's accumulator tiles leave the tile registers straight as silu(gate) * up, and the
-// [T, 2I] tensor is never written.
+// Every bias-free bf16 linear of a small model takes this from 128 rows (packed_linear.py):
+// on SmolLM-135M's prompts it ran 1.1-1.2x faster end to end than oneDNN's packed GEMM plus a
+// separate SiLU-and-mul pass, which re-read the whole [T, 2I] gate/up output from L3 and wrote
+// [T, I] back. Here the gate/up weight is packed so that each 32-column block holds 16 gate
+// columns and the 16 up columns that go with them: a block's accumulator tiles leave the tile
+// registers straight as silu(gate) * up, and [T, 2I] is never written.
 //
 // Blocking: C is computed 32 rows x 32 columns at a time in four fp32 tiles (two A tiles of
 // rows x two B tiles of columns per 32-deep k step: the most reuse eight tiles allow). Threads
-// split the rows; each takes the columns in chunks of 512 (their weights stay in L2) and runs
-// every 32-row block of its rows across a chunk (the block's rows stay in L1). Measured on the
-// Xeon this was written on (1,024-2,048 rows, SmolLM-135M's shapes): 1.0-1.3x oneDNN's packed
-// GEMM, within the VM's noise for the gate/up shape; software prefetch, splitting the columns
-// across threads, and sweeping all columns per panel of rows were slower.
+// split the rows; each takes the columns in chunks (their weights stay in L2) and runs
+// every 32-row block of its rows across a chunk (the block's rows stay in L1); a block's
+// epilogue (tiles to bf16 rows) runs while the next block's products are in flight. Tried
+// and slower on the Xeon this was written on: software prefetch, sweeping all columns per
+// panel of rows, splitting the columns across threads (better for one shape, worse for others).
 //
 // Weights are packed once (packed_linear.pack_amx): [N / 32][K / 32][2][16 pairs][16][2] bf16,
 // i.e. per 32-column block and k step two B tiles of 16 columns each, 1 KB apiece.
-// Accumulation order is oneDNN's (sums over k in steps of 32), so results are the same bits
-// wherever oneDNN's are; the gate and up values are rounded to bf16 before SiLU as in the
-// unfused path.
+// Accumulation order is oneDNN's (sums over k in steps of 32): the results were the same bits
+// as oneDNN's on every shape tested; gate and up are rounded to bf16 before SiLU as in the
+// unfused path, so the fused output is the unfused path's too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -44,7 +44,9 @@ using namespace swiftserve_amx;
 using namespace swiftserve_bf16;
 
 constexpr int64_t kRows = 32;    // rows per block (two A tiles)
-constexpr int64_t kChunk = 16;   // column blocks (512 columns) whose weights a sweep keeps in L2
+// weight bytes per chunk of column blocks that a sweep keeps in L2 (16 blocks at K = 576; by
+// bytes, as 16 blocks at K = 1,536 took 1.05-1.1x the time of 6)
+constexpr int64_t kChunkBytes = 576 << 10;
 constexpr int64_t kTileElems = 512;  // bf16 elements in one B tile (16 pairs x 16 columns x 2)
 
 // Tiles 0-3 = the 32 rows at a (rows lda apart) times one 32-column block b, over K.
@@ -95,8 +97,8 @@ inline void store_rows(const float (*cb)[16][16], int64_t valid, c10::BFloat16* 
   }
 }
 
-// Rows [m0, m1) of x against every column block: per chunk of kChunk column blocks (their
-// weights stay in L2), each 32-row block of x meets the chunk's blocks in turn (it stays in
+// Rows [m0, m1) of x against every column block: per chunk of column blocks (their weights,
+// kChunkBytes, stay in L2), each 32-row block of x meets the chunk's blocks in turn (it stays in
 // L1 across them). A last block of fewer than 32 rows is copied into zero-padded scratch
 // first (tile loads read 32 rows). Each block's epilogue runs during the next one's product.
 template <bool kSiluMul>
@@ -104,6 +106,7 @@ void sweep(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, int64_t b
            int64_t ldo, int64_t m0, int64_t m1) {
   alignas(64) float cb[2][4][16][16];  // the block being stored, the one being written out
   const int64_t ksteps = K / 32, width = kSiluMul ? 16 : 32;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * 32 * 2));
   std::vector<c10::BFloat16> pad;
   int64_t pending = 0;  // the previous block's tiles in cb[pending & 1], if pending_dst
   c10::BFloat16* pending_dst = nullptr;
@@ -111,8 +114,8 @@ void sweep(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, int64_t b
   const auto finish = [&] {
     if (pending_dst != nullptr) store_rows<kSiluMul>(cb[pending & 1], pending_rows, pending_dst, ldo);
   };
-  for (int64_t c0 = 0; c0 < blocks; c0 += kChunk) {
-    const int64_t c1 = std::min(blocks, c0 + kChunk);
+  for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
+    const int64_t c1 = std::min(blocks, c0 + chunk);
     for (int64_t m = m0; m < m1; m += kRows) {
       const int64_t valid = std::min(kRows, m1 - m);
       const c10::BFloat16* a = x + m * K;
