@@ -1,6 +1,6 @@
-"""The AMX GEMM (amx_gemm.cpp): plain products equal oneDNN's bf16 GEMM, the fused gate/up
-product with SiLU-and-mul equals the unfused path (GEMM, then silu_and_mul) for every row
-remainder, and a small bf16 model's MLPs take it for prompt chunks with unchanged output."""
+"""The AMX GEMM (amx_gemm.cpp): plain products equal oneDNN's bf16 GEMM; the fused epilogues
+(SiLU-and-mul, rotary of q/k, residual add + RMSNorm) equal the unfused calls bit for bit for
+every row remainder; a small bf16 model takes them for prompt chunks with unchanged output."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from swiftserve import LLM, SamplingParams
 from swiftserve.model import packed_linear
 from swiftserve.model.kernels import cpu_kernels
-from swiftserve.model.packed_linear import PanelLinear, interleave_gate_up, pack_amx
+from swiftserve.model.packed_linear import PanelLinear, interleave_gate_up, pack_amx, rope_order
 from swiftserve.tools.demo import write_random_checkpoint
 
 OPS = cpu_kernels()
@@ -53,19 +53,55 @@ def test_fused_silu_mul_equals_gemm_then_silu_and_mul(m: int, k: int, inter: int
     torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize(("m", "heads", "kv_heads"), [(1, 2, 1), (45, 3, 1), (200, 9, 3)])
+def test_fused_rotary_equals_gemm_then_rope(m: int, heads: int, kv_heads: int) -> None:
+    k, n = 64, (heads + 2 * kv_heads) * 64
+    w, x = weights(n, k, 4), rows(m, k, 5)
+    pos = torch.arange(m, dtype=torch.float32)[:, None] * 7 + 3
+    freqs = pos * 10000.0 ** (-torch.arange(0, 32, dtype=torch.float32) / 32)
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1).bfloat16().view(m, 1, 64)
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1).bfloat16().view(m, 1, 64)
+    want = OPS.amx_linear(x, pack_amx(w), n, False)
+    OPS.rope_qk_(want, cos, sin, heads + kv_heads, 64)
+    got = OPS.amx_linear_rope(
+        x, pack_amx(rope_order(w, heads + kv_heads)), n, cos, sin, (heads + kv_heads) * 64
+    )
+    assert torch.equal(got, want)  # q and k rotated, v as it was
+
+
+@pytest.mark.parametrize("m", [1, 40, 300])
+def test_fused_add_rms_norm_equals_gemm_then_add_rms_norm(m: int) -> None:
+    k, n = 96, 64
+    w, x = weights(n, k, 6), rows(m, k, 7)
+    residual = rows(m, n, 8)
+    norm_weight = (1 + 0.1 * rows(1, n, 9)[0]).contiguous()
+    want_residual = residual.clone()
+    want = OPS.add_rms_norm(OPS.amx_linear(x, pack_amx(w), n, False), want_residual, norm_weight, 1e-5)
+    got_residual = residual.clone()
+    got = OPS.amx_linear_add_rms(x, pack_amx(w), n, got_residual, norm_weight, 1e-5)
+    assert torch.equal(got, want) and torch.equal(got_residual, want_residual)
+    assert not torch.equal(got_residual, residual)  # updated in place
+
+
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(RuntimeError, match="multiples of 32"):
         OPS.amx_linear(rows(4, 48, 0), torch.zeros(96 * 48, dtype=torch.bfloat16), 96, False)
 
 
-def test_small_model_mlps_take_the_fused_path(tmp_path: Path) -> None:
-    model_dir = write_random_checkpoint(tmp_path, preset="tiny", hidden_size=128, intermediate_size=256)
+def test_small_model_takes_the_fused_paths(tmp_path: Path) -> None:
+    model_dir = write_random_checkpoint(
+        tmp_path,
+        preset="tiny",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # head_dim 64: q/k/v take the fused rotary too
     llm = LLM(model=str(model_dir), dtype="bfloat16", enable_prefix_caching=False)
     model = llm.engine.executor.worker.model
     assert sum(isinstance(m, PanelLinear) and m.amx_silu is not None for m in model.modules()) == 2
-    assert (
-        sum(isinstance(m, PanelLinear) and m.amx is not None for m in model.modules()) >= 6
-    )  # q/k/v, o, down
+    assert sum(isinstance(m, PanelLinear) and m.amx_rope is not None for m in model.modules()) == 2
+    assert sum(isinstance(m, PanelLinear) and m.amx is not None for m in model.modules()) >= 4  # o, down
     prompt = {"prompt_token_ids": [(7 * i) % 290 + 5 for i in range(200)]}  # one 200-row chunk
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     fused = llm.generate([prompt], params, use_tqdm=False)[0]

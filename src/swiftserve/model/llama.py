@@ -59,15 +59,16 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """Attention of ``x`` [T, hidden] before ``o_proj``, which the layer applies (fused with
+        the residual add and norm where the backend has that)."""
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        meta.ops.rotary_qk_(qkv, rope[0], rope[1], self.num_heads, self.num_kv_heads)  # in place
+        qkv = meta.ops.qkv_rope(self.qkv_proj, x, rope, self.num_heads, self.num_kv_heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = meta.ops.paged_attention(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return out.reshape(tokens, self.q_size)
 
 
 class MLP(nn.Module):
@@ -98,7 +99,7 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(h, residual, ops)
         h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual, ops)
+        h, residual = ops.linear_add_rms(self.self_attn.o_proj, h, residual, self.post_attention_layernorm)
         return self.mlp(h, ops), residual
 
 

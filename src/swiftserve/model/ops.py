@@ -88,6 +88,25 @@ class TorchOps:
         """silu(gate) * up of an MLP's fused gate/up projection of ``x`` [T, hidden]."""
         return self.silu_and_mul(gate_up_proj(x))
 
+    def qkv_rope(
+        self,
+        qkv_proj: nn.Module,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        """The fused q/k/v projection of ``x`` [T, hidden], q and k rotated."""
+        qkv = qkv_proj(x)
+        self.rotary_qk_(qkv, rope[0], rope[1], heads, kv_heads)
+        return qkv  # type: ignore[no-any-return]
+
+    def linear_add_rms(
+        self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm.add_forward(linear(x), residual)``: (normed, residual + linear(x))."""
+        return self.add_rms_norm(linear(x), residual, norm.weight, norm.eps)
+
     def write_kv_(
         self,
         k: torch.Tensor,
@@ -201,6 +220,38 @@ class CpuOps(TorchOps):
             # output never written (the same bits as oneDNN's GEMM then silu_and_mul)
             return self.cpp.amx_linear(x, packed, gate_up_proj.out_features, True)  # type: ignore[no-any-return]
         return self.silu_and_mul(gate_up_proj(x))
+
+    def qkv_rope(
+        self,
+        qkv_proj: nn.Module,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        packed = getattr(qkv_proj, "amx_rope", None)
+        if packed is not None and x.shape[0] >= packed_linear.AMX_LINEAR_ROWS and rope[0].shape[-1] == 64:
+            # the rotary in the GEMM's epilogue (the same bits as the GEMM, then rotary_qk_)
+            out = qkv_proj.out_features
+            return self.cpp.amx_linear_rope(x, packed, out, rope[0], rope[1], (heads + kv_heads) * 64)  # type: ignore[no-any-return]
+        return super().qkv_rope(qkv_proj, x, rope, heads, kv_heads)
+
+    def linear_add_rms(
+        self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = getattr(linear, "amx", None)
+        if (
+            packed is not None
+            and x.shape[0] >= packed_linear.AMX_LINEAR_ROWS
+            and residual.dtype == torch.bfloat16
+        ):
+            # the residual add and the norm over each thread's rows right after its GEMM rows
+            # (in L2), not as another pass from L3; the same bits as the unfused calls
+            normed = self.cpp.amx_linear_add_rms(
+                x, packed, linear.out_features, residual, norm.weight, norm.eps
+            )
+            return normed, residual  # residual updated in place
+        return super().linear_add_rms(linear, x, residual, norm)
 
     def write_kv_(
         self,

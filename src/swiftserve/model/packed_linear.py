@@ -71,6 +71,7 @@ class PanelLinear(nn.Module):
         self.dual_rows = amx_rows + 1 if amx_rows else DUAL_PACK_ROWS
         self.amx_silu: torch.Tensor | None = None  # an MLP's gate/up for amx_linear (add_amx_copies)
         self.amx: torch.Tensor | None = None  # the weight for amx_linear (add_amx_copies)
+        self.amx_rope: torch.Tensor | None = None  # q/k/v for amx_linear_rope (add_amx_copies)
 
     def add_onednn_copy(self) -> None:
         """Keep a oneDNN-packed copy beside the panels (twice the weight memory)."""
@@ -200,10 +201,16 @@ def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
     """On AMX CPUs, small models (the oneDNN copies' size rule): give each bias-free PanelLinear
     a copy packed for ``kernels.amx_linear``, taken from AMX_LINEAR_ROWS rows (prompt chunks).
     An MLP's gate/up gets it as ``amx_silu``, interleaved for the fused SiLU-and-mul
-    (ops.gate_up_silu); returns how many linears got one."""
+    (ops.gate_up_silu); an attention's q/k/v with head_dim 64 as ``amx_rope``, ordered for the
+    fused rotary (ops.qkv_rope). Returns how many linears got one."""
     if not dual_packed(model) or not kernels.amx_gemm_available():
         return 0
     gate_ups = {id(getattr(m, "gate_up_proj", None)) for m in model.modules()}
+    rope_heads = {
+        id(m.qkv_proj): int(m.num_heads) + int(m.num_kv_heads)  # type: ignore[arg-type]
+        for m in model.modules()
+        if hasattr(m, "qkv_proj") and getattr(m, "head_dim", 0) == 64
+    }
     count = 0
     for linear in model.modules():
         if not isinstance(linear, PanelLinear) or linear.bias is not None:
@@ -213,10 +220,20 @@ def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
         weight = unpack_panels(linear.packed, linear.out_features)
         if id(linear) in gate_ups:
             linear.amx_silu = pack_amx(interleave_gate_up(weight, linear.out_features // 2))
+        elif id(linear) in rope_heads:
+            linear.amx_rope = pack_amx(rope_order(weight, rope_heads[id(linear)]))
         else:
             linear.amx = pack_amx(weight)
         count += 1
     return count
+
+
+def rope_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k/v rows [N, K] with the first ``heads`` heads of 64 reordered so that each 32-row
+    block holds 16 dims and the 16 dims 32 further on (rotary pairs) for amx_linear_rope: per
+    head, dims 0-15 + 32-47, then 16-31 + 48-63; the rows after them (v) unchanged."""
+    rot = weight[: heads * 64].reshape(heads, 2, 2, 16, -1)  # [head][half][s][16][K]
+    return torch.cat([rot.transpose(1, 2).reshape(heads * 64, -1), weight[heads * 64 :]])
 
 
 def interleave_gate_up(weight: torch.Tensor, inter: int) -> torch.Tensor:

@@ -80,39 +80,69 @@ inline void store_tiles(float (*cb)[16][16]) {
   _tile_stored(3, cb[3], 64);
 }
 
-// The first `valid` rows of a block's stored tiles into dst: as bf16 (plain), or silu(gate) * up
-// with the gate in the block's first 16 columns and up in its last 16 (silu_mul).
-template <bool kSiluMul>
-inline void store_rows(const float (*cb)[16][16], int64_t valid, c10::BFloat16* dst, int64_t ldd) {
-  for (int64_t r = 0; r < valid; ++r) {
-    const float* lo = cb[r < 16 ? 0 : 2][r % 16];
-    const float* hi = cb[r < 16 ? 1 : 3][r % 16];
-    if (kSiluMul) {
-      const __m512 gate = bf16_round_fast(_mm512_load_ps(lo)), up = bf16_round_fast(_mm512_load_ps(hi));
-      bf16_store_fast(dst + r * ldd, silu_mul_ps(gate, up));
-    } else {
-      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(hi), _mm512_load_ps(lo));
-      _mm512_storeu_si512(dst + r * ldd, reinterpret_cast<const __m512i&>(both));
+// Epilogues: the first `valid` rows of block (m, nb)'s stored tiles into the output. Tile 0/2
+// hold the block's first 16 columns for rows 0-15/16-31, tiles 1/3 its last 16.
+inline const float* tile_row(const float (*cb)[16][16], int64_t r, int half) {
+  return cb[(r < 16 ? 0 : 2) + half][r % 16];
+}
+
+struct Plain {  // bf16 columns nb * 32 ..
+  c10::BFloat16* out;
+  int64_t ldo;
+  void operator()(const float (*cb)[16][16], int64_t m, int64_t valid, int64_t nb) const {
+    for (int64_t r = 0; r < valid; ++r) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(tile_row(cb, r, 1)), _mm512_load_ps(tile_row(cb, r, 0)));
+      _mm512_storeu_si512(out + (m + r) * ldo + nb * 32, reinterpret_cast<const __m512i&>(both));
     }
   }
-}
+};
+
+struct SiluMul {  // 16 gate columns, then their 16 up columns: silu(gate) * up at nb * 16 ..
+  c10::BFloat16* out;
+  int64_t ldo;
+  void operator()(const float (*cb)[16][16], int64_t m, int64_t valid, int64_t nb) const {
+    for (int64_t r = 0; r < valid; ++r) {
+      const __m512 gate = bf16_round_fast(_mm512_load_ps(tile_row(cb, r, 0)));
+      const __m512 up = bf16_round_fast(_mm512_load_ps(tile_row(cb, r, 1)));
+      bf16_store_fast(out + (m + r) * ldo + nb * 16, silu_mul_ps(gate, up));
+    }
+  }
+};
+
+// q/k/v with the rotary of q and k heads (head_dim 64): below rope_blocks, block nb holds dims
+// 16s .. 16s + 15 and 32 + 16s .. of head nb / 2 (s = nb % 2), i.e. 16 complete rotary pairs;
+// the rest (v) are plain. Row m + r's cos and sin are row m + r of the tables.
+struct Rope {
+  c10::BFloat16* out;
+  int64_t ldo, rope_blocks;
+  const c10::BFloat16 *cos, *sin;
+  void operator()(const float (*cb)[16][16], int64_t m, int64_t valid, int64_t nb) const {
+    if (nb >= rope_blocks) return Plain{out, ldo}(cb, m, valid, nb);
+    const int64_t col = nb / 2 * 64 + nb % 2 * 16;
+    for (int64_t r = 0; r < valid; ++r) {
+      const __m512 x1 = bf16_round_fast(_mm512_load_ps(tile_row(cb, r, 0)));
+      const __m512 x2 = bf16_round_fast(_mm512_load_ps(tile_row(cb, r, 1)));
+      c10::BFloat16* o = out + (m + r) * ldo + col;
+      const int64_t t = (m + r) * 64 + nb % 2 * 16;
+      rope_pairs_bf16(x1, x2, cos + t, sin + t, 32, o, o + 32);
+    }
+  }
+};
 
 // Rows [m0, m1) of x against every column block: per chunk of column blocks (their weights,
 // kChunkBytes, stay in L2), each 32-row block of x meets the chunk's blocks in turn (it stays in
 // L1 across them). A last block of fewer than 32 rows is copied into zero-padded scratch
 // first (tile loads read 32 rows). Each block's epilogue runs during the next one's product.
-template <bool kSiluMul>
-void sweep(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, int64_t blocks, c10::BFloat16* out,
-           int64_t ldo, int64_t m0, int64_t m1) {
+template <typename Epilogue>
+void sweep(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, int64_t blocks, int64_t m0, int64_t m1,
+           const Epilogue& epilogue) {
   alignas(64) float cb[2][4][16][16];  // the block being stored, the one being written out
-  const int64_t ksteps = K / 32, width = kSiluMul ? 16 : 32;
+  const int64_t ksteps = K / 32;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * 32 * 2));
   std::vector<c10::BFloat16> pad;
-  int64_t pending = 0;  // the previous block's tiles in cb[pending & 1], if pending_dst
-  c10::BFloat16* pending_dst = nullptr;
-  int64_t pending_rows = 0;
+  int64_t pending = 0, pending_m = 0, pending_rows = 0, pending_nb = -1;  // tiles in cb[pending & 1]
   const auto finish = [&] {
-    if (pending_dst != nullptr) store_rows<kSiluMul>(cb[pending & 1], pending_rows, pending_dst, ldo);
+    if (pending_nb >= 0) epilogue(cb[pending & 1], pending_m, pending_rows, pending_nb);
   };
   for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
     const int64_t c1 = std::min(blocks, c0 + chunk);
@@ -129,12 +159,39 @@ void sweep(const c10::BFloat16* x, int64_t K, const c10::BFloat16* wp, int64_t b
       for (int64_t nb = c0; nb < c1; ++nb) {
         block_product(a, K, wp + nb * ksteps * 2 * kTileElems, ksteps, finish);
         store_tiles(cb[++pending & 1]);
-        pending_dst = out + m * ldo + nb * width;
+        pending_m = m;
         pending_rows = valid;
+        pending_nb = nb;
       }
     }
   }
   finish();
+}
+
+// Threads split the rows in 32-row blocks; each sweeps its rows, then runs `after(m0, m1)`
+// on them while they are still in its L2.
+template <typename Epilogue, typename After>
+void run(const torch::Tensor& x, const torch::Tensor& wp, int64_t N, const Epilogue& epilogue, const After& after) {
+  TORCH_CHECK(amx_gemm_available(), "AMX tiles are not available to this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16,
+              "amx_linear: bfloat16 [M, K] input");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && N % 32 == 0 && wp.numel() == N * K && wp.is_contiguous() && x.is_contiguous(),
+              "amx_linear: K and N multiples of 32, weight packed by pack_amx");
+  const auto* a = x.data_ptr<c10::BFloat16>();
+  const auto* w = wp.data_ptr<c10::BFloat16>();
+  const int64_t row_blocks = (M + kRows - 1) / kRows;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), row_blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    load_tile_config();
+    const int t = omp_get_thread_num();
+    const int64_t m0 = std::min(M, t * row_blocks / threads * kRows);
+    const int64_t m1 = std::min(M, (t + 1) * row_blocks / threads * kRows);
+    sweep(a, K, w, N / 32, m0, m1, epilogue);
+    _tile_release();
+    after(m0, m1);
+  }
 }
 
 }  // namespace
@@ -148,36 +205,65 @@ bool amx_gemm_available() {
 #endif
 }
 
+#ifdef SWIFTSERVE_AMX_GEMM_TILES
+namespace {
+void nothing(int64_t, int64_t) {}
+}  // namespace
+#endif
+
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu_mul) {
 #ifdef SWIFTSERVE_AMX_GEMM_TILES
-  TORCH_CHECK(amx_gemm_available(), "AMX tiles are not available to this process");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16,
-              "amx_linear: bfloat16 [M, K] input");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && N % 32 == 0 && wp.numel() == N * K && wp.is_contiguous(),
-              "amx_linear: K and N multiples of 32, weight packed by pack_amx");
-  auto xc = x.contiguous();
-  const int64_t ldo = silu_mul ? N / 2 : N;
-  auto out = torch::empty({M, ldo}, x.options());
-  const auto* a = xc.data_ptr<c10::BFloat16>();
-  const auto* w = wp.data_ptr<c10::BFloat16>();
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), silu_mul ? N / 2 : N}, x.options());
   auto* o = out.data_ptr<c10::BFloat16>();
-  const int64_t row_blocks = (M + kRows - 1) / kRows;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), row_blocks)));
-#pragma omp parallel num_threads(threads)
-  {
-    load_tile_config();
-    const int t = omp_get_thread_num();
-    const int64_t m0 = std::min(M, t * row_blocks / threads * kRows);
-    const int64_t m1 = std::min(M, (t + 1) * row_blocks / threads * kRows);
-    if (silu_mul)
-      sweep<true>(a, K, w, N / 32, o, ldo, m0, m1);
-    else
-      sweep<false>(a, K, w, N / 32, o, ldo, m0, m1);
-    _tile_release();
-  }
+  if (silu_mul)
+    run(x, wp, N, SiluMul{o, N / 2}, nothing);
+  else
+    run(x, wp, N, Plain{o, N}, nothing);
   return out;
 #else
   TORCH_CHECK(false, "amx_linear: built without AMX");
+#endif
+}
+
+torch::Tensor amx_linear_rope(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor cos, torch::Tensor sin,
+                              int64_t rope_cols) {
+#ifdef SWIFTSERVE_AMX_GEMM_TILES
+  x = x.contiguous();
+  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * 64 &&
+                  sin.numel() == cos.numel() && rope_cols % 64 == 0 && rope_cols <= N,
+              "amx_linear_rope: bf16 cos/sin [T, 64], whole heads of 64");
+  auto out = torch::empty({x.size(0), N}, x.options());
+  run(x, wp, N,
+      Rope{out.data_ptr<c10::BFloat16>(), N, rope_cols / 32, cos.data_ptr<c10::BFloat16>(),
+           sin.data_ptr<c10::BFloat16>()},
+      nothing);
+  return out;
+#else
+  TORCH_CHECK(false, "amx_linear_rope: built without AMX");
+#endif
+}
+
+torch::Tensor amx_linear_add_rms(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor residual,
+                                 torch::Tensor weight, double eps) {
+#ifdef SWIFTSERVE_AMX_GEMM_TILES
+  x = x.contiguous();
+  TORCH_CHECK(residual.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 &&
+                  residual.is_contiguous() && weight.is_contiguous() && residual.size(0) == x.size(0) &&
+                  residual.numel() == x.size(0) * N && weight.numel() == N && N % 16 == 0,
+              "amx_linear_add_rms: bf16 residual [T, N], weight [N]");
+  auto out = torch::empty({x.size(0), N}, x.options());
+  auto* o = out.data_ptr<c10::BFloat16>();
+  auto* res = residual.data_ptr<c10::BFloat16>();
+  const auto* w = weight.data_ptr<c10::BFloat16>();
+  const float e = static_cast<float>(eps);
+  // the product's rows, then residual += them and their norm, in place, while in L2
+  run(x, wp, N, Plain{o, N}, [&](int64_t m0, int64_t m1) {
+    for (int64_t r = m0; r < m1; ++r) add_rms_row_bf16(res + r * N, o + r * N, w, o + r * N, N, e);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "amx_linear_add_rms: built without AMX");
 #endif
 }

@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace swiftserve_bf16 {
@@ -66,6 +67,38 @@ inline __m512 silu_mul_ps(__m512 x, __m512 u) {
   const __m512 r0 = _mm512_rcp14_ps(d);
   const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.f)));
   return _mm512_mul_ps(bf16_round_fast(_mm512_mul_ps(x, r)), u);
+}
+
+// 16 rotary pairs as the PyTorch path rounds: x1 = dims i.., x2 = dims i + half.. of a head (bf16
+// values), c and s pointing at dim i of the position's cos and sin rows; a and b stored at o1, o2.
+inline void rope_pairs_bf16(__m512 x1, __m512 x2, const c10::BFloat16* c, const c10::BFloat16* s, int64_t half,
+                            c10::BFloat16* o1, c10::BFloat16* o2) {
+  const __m512 c1 = bf16_load(c), s1 = bf16_load(s);
+  const __m512 c2 = bf16_load(c + half), s2 = bf16_load(s + half);
+  const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+  const __m512 a = _mm512_add_ps(bf16_round(_mm512_mul_ps(x1, c1)), bf16_round(_mm512_mul_ps(neg_x2, s1)));
+  const __m512 b = _mm512_add_ps(bf16_round(_mm512_mul_ps(x2, c2)), bf16_round(_mm512_mul_ps(x1, s2)));
+  bf16_store(o1, a);
+  bf16_store(o2, b);
+}
+
+// One bf16 row: residual = bf16(residual + x) in place, then out = bf16(w * bf16(residual * inv))
+// with inv = rsqrt(mean(residual^2) + eps); n % 16 == 0.
+inline void add_rms_row_bf16(c10::BFloat16* res, const c10::BFloat16* x, const c10::BFloat16* w,
+                             c10::BFloat16* out, int64_t n, float eps) {
+  __m512 ss0 = _mm512_setzero_ps(), ss1 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = bf16_round_fast(_mm512_add_ps(bf16_load(res + i), bf16_load(x + i)));
+    bf16_store_fast(res + i, v);
+    if ((i / 16) & 1)
+      ss1 = _mm512_fmadd_ps(v, v, ss1);
+    else
+      ss0 = _mm512_fmadd_ps(v, v, ss0);
+  }
+  const float ss = _mm512_reduce_add_ps(_mm512_add_ps(ss0, ss1));
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16)
+    bf16_store_fast(out + i, _mm512_mul_ps(bf16_load(w + i), bf16_round_fast(_mm512_mul_ps(bf16_load(res + i), inv))));
 }
 
 }  // namespace swiftserve_bf16

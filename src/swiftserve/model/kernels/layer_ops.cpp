@@ -28,16 +28,8 @@ using namespace swiftserve_bf16;
 
 // The bfloat16 rotary of one head, 16 pairs at a time (half % 16 == 0).
 inline void rope_head_bf16(c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s, int64_t half) {
-  for (int64_t i = 0; i < half; i += 16) {
-    const __m512 x1 = bf16_load(x + i), x2 = bf16_load(x + i + half);
-    const __m512 c1 = bf16_load(c + i), s1 = bf16_load(s + i);
-    const __m512 c2 = bf16_load(c + i + half), s2 = bf16_load(s + i + half);
-    const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-    const __m512 a = _mm512_add_ps(bf16_round(_mm512_mul_ps(x1, c1)), bf16_round(_mm512_mul_ps(neg_x2, s1)));
-    const __m512 b = _mm512_add_ps(bf16_round(_mm512_mul_ps(x2, c2)), bf16_round(_mm512_mul_ps(x1, s2)));
-    bf16_store(x + i, a);
-    bf16_store(x + i + half, b);
-  }
+  for (int64_t i = 0; i < half; i += 16)
+    rope_pairs_bf16(bf16_load(x + i), bf16_load(x + i + half), c + i, s + i, half, x + i, x + i + half);
 }
 
 // bf16 SiLU-and-mul, 16 lanes: bf16(bf16(g * sigmoid(g)) * u), as the PyTorch path rounds.
@@ -53,24 +45,6 @@ inline void silu_mul_bf16(const c10::BFloat16* g, const c10::BFloat16* u, c10::B
   }
 }
 
-// One bf16 row: residual = bf16(residual + x) in place, then out = bf16(w * bf16(residual * inv))
-// with inv = rsqrt(mean(residual^2) + eps); n % 16 == 0.
-inline void add_rms_row_bf16(c10::BFloat16* res, const c10::BFloat16* x, const c10::BFloat16* w,
-                             c10::BFloat16* out, int64_t n, float eps) {
-  __m512 ss0 = _mm512_setzero_ps(), ss1 = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = bf16_round_fast(_mm512_add_ps(bf16_load(res + i), bf16_load(x + i)));
-    bf16_store_fast(res + i, v);
-    if ((i / 16) & 1)
-      ss1 = _mm512_fmadd_ps(v, v, ss1);
-    else
-      ss0 = _mm512_fmadd_ps(v, v, ss0);
-  }
-  const float ss = _mm512_reduce_add_ps(_mm512_add_ps(ss0, ss1));
-  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(n) + eps));
-  for (int64_t i = 0; i < n; i += 16)
-    bf16_store_fast(out + i, _mm512_mul_ps(bf16_load(w + i), bf16_round_fast(_mm512_mul_ps(bf16_load(res + i), inv))));
-}
 #endif
 
 // out[r] = weight * to_T(x32 * rsqrt(mean(x32^2) + eps)) for each row r.

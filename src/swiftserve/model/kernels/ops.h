@@ -40,3 +40,7 @@ void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Te
                   torch::Tensor out, double scale, int64_t window);
 bool amx_gemm_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu_mul);
+torch::Tensor amx_linear_rope(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor cos, torch::Tensor sin,
+                              int64_t rope_cols);
+torch::Tensor amx_linear_add_rms(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor residual,
+                                 torch::Tensor weight, double eps);
