@@ -79,7 +79,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj(ops.gate_up_silu(self.gate_up_proj, x))
+        return self.down_proj(self.act(x, ops))
+
+    def act(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """silu(gate) * up: the MLP before ``down_proj``."""
+        return ops.gate_up_silu(self.gate_up_proj, x)
 
 
 class DecoderLayer(nn.Module):
@@ -90,17 +94,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, residual, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+    def forward(self, h, residual, rope, kv_cache, meta, prev_down=None, defer_down=False):  # type: ignore[no-untyped-def]
         """``h``: the previous layer's output (not yet added to ``residual``, which is None
-        before the first layer). Returns this layer's (output, residual)."""
+        before the first layer), or, with ``prev_down``, the previous layer's MLP activation
+        that ``prev_down`` still has to project. Returns this layer's (output, residual); with
+        ``defer_down`` the output is its MLP activation, for the next layer (or the final norm)
+        to project: a projection and the residual add + norm after it are one fused call where
+        the backend has one (ops.linear_add_rms; the same bits either way)."""
         ops = meta.ops
-        if residual is None:
+        if prev_down is not None:
+            h, residual = ops.linear_add_rms(prev_down, h, residual, self.input_layernorm)
+        elif residual is None:
             residual, h = h, self.input_layernorm(h, ops)
         else:
             h, residual = self.input_layernorm.add_forward(h, residual, ops)
         h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = ops.linear_add_rms(self.self_attn.o_proj, h, residual, self.post_attention_layernorm)
-        return self.mlp(h, ops), residual
+        return (self.mlp.act(h, ops) if defer_down else self.mlp(h, ops)), residual
 
 
 class LlamaModel(nn.Module):
@@ -153,11 +163,12 @@ class LlamaForCausalLM(nn.Module):
             out = meta.ops.decoder_stack(self, self.stack, h, rope, kv_caches, meta)
             if out is not None:
                 return out  # type: ignore[no-any-return]
-        residual = None
+        residual, down = None, None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, rope, kv_cache, meta)
-        assert residual is not None, "a model has at least one layer"
-        return self.model.norm.add_forward(h, residual, meta.ops)[0]
+            h, residual = layer(h, residual, rope, kv_cache, meta, prev_down=down, defer_down=True)
+            down = layer.mlp.down_proj  # type: ignore[union-attr]
+        assert residual is not None and down is not None, "a model has at least one layer"
+        return meta.ops.linear_add_rms(down, h, residual, self.model.norm)[0]  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def forward_stage(
