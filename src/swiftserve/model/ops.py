@@ -88,14 +88,8 @@ class TorchOps:
         """silu(gate) * up of an MLP's fused gate/up projection of ``x`` [T, hidden]."""
         return self.silu_and_mul(gate_up_proj(x))
 
-    def qkv_rope(
-        self,
-        qkv_proj: nn.Module,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        heads: int,
-        kv_heads: int,
-    ) -> torch.Tensor:
+    def qkv_rope(self, qkv_proj: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
         """The fused q/k/v projection of ``x`` [T, hidden], q and k rotated."""
         qkv = qkv_proj(x)
         self.rotary_qk_(qkv, rope[0], rope[1], heads, kv_heads)
@@ -221,14 +215,8 @@ class CpuOps(TorchOps):
             return self.cpp.amx_linear(x, packed, gate_up_proj.out_features, True)  # type: ignore[no-any-return]
         return self.silu_and_mul(gate_up_proj(x))
 
-    def qkv_rope(
-        self,
-        qkv_proj: nn.Module,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        heads: int,
-        kv_heads: int,
-    ) -> torch.Tensor:
+    def qkv_rope(self, qkv_proj: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
         packed = getattr(qkv_proj, "amx_rope", None)
         if packed is not None and x.shape[0] >= packed_linear.AMX_LINEAR_ROWS and rope[0].shape[-1] == 64:
             # the rotary in the GEMM's epilogue (the same bits as the GEMM, then rotary_qk_)
