@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from swiftserve import LLM, SamplingParams
 from swiftserve.model import packed_linear
 from swiftserve.model.kernels import cpu_kernels
-from swiftserve.model.packed_linear import PanelLinear, interleave_gate_up, pack_amx, rope_order
+from swiftserve.model.packed_linear import (
+    PanelLinear,
+    interleave_gate_up,
+    make_onednn_copies,
+    pack_amx,
+    rope_order,
+)
 from swiftserve.tools.demo import write_random_checkpoint
 
 OPS = cpu_kernels()
@@ -102,6 +108,14 @@ def test_small_model_takes_the_fused_paths(tmp_path: Path) -> None:
     assert sum(isinstance(m, PanelLinear) and m.amx_silu is not None for m in model.modules()) == 2
     assert sum(isinstance(m, PanelLinear) and m.amx_rope is not None for m in model.modules()) == 2
     assert sum(isinstance(m, PanelLinear) and m.amx is not None for m in model.modules()) >= 4  # o, down
+    with_amx = [
+        m
+        for m in model.modules()
+        if isinstance(m, PanelLinear) and (m.amx, m.amx_silu, m.amx_rope) != (None,) * 3
+    ]
+    assert make_onednn_copies(model) == 0 and all(
+        m.onednn is None and not m.dual for m in with_amx
+    )  # no third copy
     prompt = {"prompt_token_ids": [(7 * i) % 290 + 5 for i in range(200)]}  # one 200-row chunk
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     fused = llm.generate([prompt], params, use_tqdm=False)[0]

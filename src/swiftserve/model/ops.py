@@ -309,10 +309,10 @@ class CpuOps(TorchOps):
         from swiftserve.model.packed_linear import add_amx_copies, dual_packed, dual_rows, pack_linears
 
         count = pack_linears(model, self.cpp if self.options.bf16_gemm == "panel" else None)
+        if dual_packed(model):  # large steps take the oneDNN or AMX copies: the C++ stack only below them
+            self.stack_max_rows = dual_rows(model)
         if self.options.bf16_gemm == "panel" and hasattr(self.cpp, "amx_linear"):
             add_amx_copies(model, self.cpp)
-        if dual_packed(model):  # large steps take oneDNN's copy: the C++ stack only below them
-            self.stack_max_rows = dual_rows(model)
         return count
 
     def stack_weights(self, model: nn.Module) -> list[torch.Tensor] | None:

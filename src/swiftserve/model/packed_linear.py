@@ -202,7 +202,9 @@ def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
     a copy packed for ``kernels.amx_linear``, taken from AMX_LINEAR_ROWS rows (prompt chunks).
     An MLP's gate/up gets it as ``amx_silu``, interleaved for the fused SiLU-and-mul
     (ops.gate_up_silu); an attention's q/k/v with head_dim 64 as ``amx_rope``, ordered for the
-    fused rotary (ops.qkv_rope). Returns how many linears got one."""
+    fused rotary (ops.qkv_rope). Their oneDNN copies are dropped (the AMX copy takes every step
+    they would have served), so a model keeps two copies, not three. Returns how many linears
+    got one."""
     if not dual_packed(model) or not kernels.amx_gemm_available():
         return 0
     gate_ups = {id(getattr(m, "gate_up_proj", None)) for m in model.modules()}
@@ -224,6 +226,8 @@ def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
             linear.amx_rope = pack_amx(rope_order(weight, rope_heads[id(linear)]))
         else:
             linear.amx = pack_amx(weight)
+        # its oneDNN copy would serve only steps the AMX copy takes first: never made
+        linear.dual = linear.dual and linear.dual_rows < AMX_LINEAR_ROWS
         count += 1
     return count
 
