@@ -151,8 +151,12 @@ def test_warm_up_makes_the_onednn_copies_at_start_and_changes_no_output(
         llm = LLM(str(path), dtype="bfloat16", warm_up=warm, quantization=quantization, progress=False)
         model = llm.engine.executor.worker.model
         copies = [m.onednn is not None for m in model.modules() if getattr(m, "dual", False)]
-        if not copies:
-            pytest.skip("no oneDNN copies on this CPU (AMX only)")
-        assert copies and all(copies) is warm and any(copies) is warm
+        amx_copies = [m for m in model.modules() if getattr(m, "amx", None) is not None]
+        if not copies and not amx_copies:
+            pytest.skip("no oneDNN or AMX GEMM copies on this CPU (AMX only)")
+        if copies:
+            assert all(copies) is warm and any(copies) is warm
+        else:  # bf16 linears whose AMX GEMM copies (made at load) serve every large step
+            assert quantization is None
         outs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
     assert outs[0] == outs[1]
