@@ -38,10 +38,12 @@ def rows(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("m", [1, 31, 32, 33, 130, 300, 513])
-def test_plain_product_equals_onednn(m: int) -> None:
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_product_equals_onednn(m: int, bias: bool) -> None:
     w, x = weights(96, 64, 0), rows(m, 64, 1)
-    got = OPS.amx_linear(x, pack_amx(w), 96, False)
-    want = F.linear(x, w)
+    b = rows(1, 96, 2)[0].contiguous() if bias else None
+    got = OPS.amx_linear(x, pack_amx(w), 96, False, b)
+    want = F.linear(x, w, b)
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)  # at most a rounding step
     assert (got == want).float().mean() > 0.99
 
@@ -63,15 +65,16 @@ def test_fused_silu_mul_equals_gemm_then_silu_and_mul(m: int, k: int, inter: int
 def test_fused_rotary_equals_gemm_then_rope(m: int, heads: int, kv_heads: int) -> None:
     k, n = 64, (heads + 2 * kv_heads) * 64
     w, x = weights(n, k, 4), rows(m, k, 5)
+    b = rows(1, n, 3)[0].contiguous() if m == 45 else None  # one case with a bias (Qwen2's q/k/v)
     pos = torch.arange(m, dtype=torch.float32)[:, None] * 7 + 3
     freqs = pos * 10000.0 ** (-torch.arange(0, 32, dtype=torch.float32) / 32)
     cos = torch.cat([freqs.cos(), freqs.cos()], -1).bfloat16().view(m, 1, 64)
     sin = torch.cat([freqs.sin(), freqs.sin()], -1).bfloat16().view(m, 1, 64)
-    want = OPS.amx_linear(x, pack_amx(w), n, False)
+    want = OPS.amx_linear(x, pack_amx(w), n, False, b)
     OPS.rope_qk_(want, cos, sin, heads + kv_heads, 64)
-    got = OPS.amx_linear_rope(
-        x, pack_amx(rope_order(w, heads + kv_heads)), n, cos, sin, (heads + kv_heads) * 64
-    )
+    rot = heads + kv_heads
+    b_rot = None if b is None else rope_order(b.view(-1, 1), rot).view(-1).contiguous()
+    got = OPS.amx_linear_rope(x, pack_amx(rope_order(w, rot)), n, cos, sin, rot * 64, b_rot)
     assert torch.equal(got, want)  # q and k rotated, v as it was
 
 
@@ -94,10 +97,12 @@ def test_bad_shapes_are_refused() -> None:
         OPS.amx_linear(rows(4, 48, 0), torch.zeros(96 * 48, dtype=torch.bfloat16), 96, False)
 
 
-def test_small_model_takes_the_fused_paths(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with a bias
+def test_small_model_takes_the_fused_paths(tmp_path: Path, arch: str) -> None:
     model_dir = write_random_checkpoint(
         tmp_path,
         preset="tiny",
+        architecture=arch,
         hidden_size=128,
         intermediate_size=256,
         num_attention_heads=2,

@@ -221,7 +221,8 @@ class CpuOps(TorchOps):
         if packed is not None and x.shape[0] >= packed_linear.AMX_LINEAR_ROWS and rope[0].shape[-1] == 64:
             # the rotary in the GEMM's epilogue (the same bits as the GEMM, then rotary_qk_)
             out = qkv_proj.out_features
-            return self.cpp.amx_linear_rope(x, packed, out, rope[0], rope[1], (heads + kv_heads) * 64)  # type: ignore[no-any-return]
+            bias = qkv_proj.amx_bias  # type: ignore[union-attr]
+            return self.cpp.amx_linear_rope(x, packed, out, rope[0], rope[1], (heads + kv_heads) * 64, bias)  # type: ignore[no-any-return]
         return super().qkv_rope(qkv_proj, x, rope, heads, kv_heads)
 
     def linear_add_rms(
@@ -230,6 +231,7 @@ class CpuOps(TorchOps):
         packed = getattr(linear, "amx", None)
         if (
             packed is not None
+            and linear.amx_bias is None  # the fused kernel takes no bias
             and x.shape[0] >= packed_linear.AMX_LINEAR_ROWS
             and residual.dtype == torch.bfloat16
         ):

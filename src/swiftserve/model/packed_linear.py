@@ -72,6 +72,7 @@ class PanelLinear(nn.Module):
         self.amx_silu: torch.Tensor | None = None  # an MLP's gate/up for amx_linear (add_amx_copies)
         self.amx: torch.Tensor | None = None  # the weight for amx_linear (add_amx_copies)
         self.amx_rope: torch.Tensor | None = None  # q/k/v for amx_linear_rope (add_amx_copies)
+        self.amx_bias: torch.Tensor | None = None  # the bias in the order of amx / amx_rope's columns
 
     def add_onednn_copy(self) -> None:
         """Keep a oneDNN-packed copy beside the panels (twice the weight memory)."""
@@ -82,7 +83,7 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.amx is not None and rows.shape[0] >= AMX_LINEAR_ROWS:
-            out = self.kernels.amx_linear(rows, self.amx, self.out_features, False)
+            out = self.kernels.amx_linear(rows, self.amx, self.out_features, False, self.amx_bias)
             return out.view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
         if self.dual and rows.shape[0] >= self.dual_rows:
             # AMX: oneDNN's packed copy beats our vector path from 8 rows (5.6x at 64) and our
@@ -198,8 +199,9 @@ def _dual_pack(model: nn.Module, onednn: bool) -> int:
 
 
 def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
-    """On AMX CPUs, small models (the oneDNN copies' size rule): give each bias-free PanelLinear
-    a copy packed for ``kernels.amx_linear``, taken from AMX_LINEAR_ROWS rows (prompt chunks).
+    """On AMX CPUs, small models (the oneDNN copies' size rule): give each PanelLinear (biases
+    too, e.g. Qwen2's q/k/v) a copy packed for ``kernels.amx_linear``, taken from
+    AMX_LINEAR_ROWS rows (prompt chunks).
     An MLP's gate/up gets it as ``amx_silu``, interleaved for the fused SiLU-and-mul
     (ops.gate_up_silu); an attention's q/k/v with head_dim 64 as ``amx_rope``, ordered for the
     fused rotary (ops.qkv_rope). Their oneDNN copies are dropped (the AMX copy takes every step
@@ -215,17 +217,20 @@ def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
     }
     count = 0
     for linear in model.modules():
-        if not isinstance(linear, PanelLinear) or linear.bias is not None:
+        if not isinstance(linear, PanelLinear) or linear.in_features % 32 or linear.out_features % 32:
             continue
-        if linear.in_features % 32 or linear.out_features % 32:
-            continue
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).reshape(-1, 1)
+        if id(linear) in gate_ups and bias is not None:
+            continue  # no biased gate/up in the supported families: SiLU-and-mul takes none
         weight = unpack_panels(linear.packed, linear.out_features)
         if id(linear) in gate_ups:
             linear.amx_silu = pack_amx(interleave_gate_up(weight, linear.out_features // 2))
         elif id(linear) in rope_heads:
             linear.amx_rope = pack_amx(rope_order(weight, rope_heads[id(linear)]))
+            bias = None if bias is None else rope_order(bias, rope_heads[id(linear)])
         else:
             linear.amx = pack_amx(weight)
+        linear.amx_bias = None if bias is None else bias.reshape(-1).contiguous()
         # its oneDNN copy would serve only steps the AMX copy takes first: never made
         linear.dual = linear.dual and linear.dual_rows < AMX_LINEAR_ROWS
         count += 1

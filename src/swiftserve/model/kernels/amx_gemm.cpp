@@ -86,12 +86,22 @@ inline const float* tile_row(const float (*cb)[16][16], int64_t r, int half) {
   return cb[(r < 16 ? 0 : 2) + half][r % 16];
 }
 
-struct Plain {  // bf16 columns nb * 32 ..
+// The block's 32 bias values (in the packed column order) as two fp32 halves; zeros without one.
+inline void block_bias(const c10::BFloat16* bias, int64_t nb, __m512& lo, __m512& hi) {
+  lo = bias ? bf16_load(bias + nb * 32) : _mm512_setzero_ps();
+  hi = bias ? bf16_load(bias + nb * 32 + 16) : _mm512_setzero_ps();
+}
+
+struct Plain {  // bf16 columns nb * 32 .., + bias (added to the fp32 sums, rounded once, as oneDNN)
   c10::BFloat16* out;
   int64_t ldo;
+  const c10::BFloat16* bias;
   void operator()(const float (*cb)[16][16], int64_t m, int64_t valid, int64_t nb) const {
+    __m512 b0, b1;
+    block_bias(bias, nb, b0, b1);
     for (int64_t r = 0; r < valid; ++r) {
-      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(tile_row(cb, r, 1)), _mm512_load_ps(tile_row(cb, r, 0)));
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(tile_row(cb, r, 1)), b1),
+                                                _mm512_add_ps(_mm512_load_ps(tile_row(cb, r, 0)), b0));
       _mm512_storeu_si512(out + (m + r) * ldo + nb * 32, reinterpret_cast<const __m512i&>(both));
     }
   }
@@ -115,13 +125,15 @@ struct SiluMul {  // 16 gate columns, then their 16 up columns: silu(gate) * up 
 struct Rope {
   c10::BFloat16* out;
   int64_t ldo, rope_blocks;
-  const c10::BFloat16 *cos, *sin;
+  const c10::BFloat16 *cos, *sin, *bias;  // bias in the packed (rotary pair) order, or null
   void operator()(const float (*cb)[16][16], int64_t m, int64_t valid, int64_t nb) const {
-    if (nb >= rope_blocks) return Plain{out, ldo}(cb, m, valid, nb);
+    if (nb >= rope_blocks) return Plain{out, ldo, bias}(cb, m, valid, nb);
     const int64_t col = nb / 2 * 64 + nb % 2 * 16;
+    __m512 b0, b1;
+    block_bias(bias, nb, b0, b1);
     for (int64_t r = 0; r < valid; ++r) {
-      const __m512 x1 = bf16_round_fast(_mm512_load_ps(tile_row(cb, r, 0)));
-      const __m512 x2 = bf16_round_fast(_mm512_load_ps(tile_row(cb, r, 1)));
+      const __m512 x1 = bf16_round_fast(_mm512_add_ps(_mm512_load_ps(tile_row(cb, r, 0)), b0));
+      const __m512 x2 = bf16_round_fast(_mm512_add_ps(_mm512_load_ps(tile_row(cb, r, 1)), b1));
       c10::BFloat16* o = out + (m + r) * ldo + col;
       const int64_t t = (m + r) * 64 + nb % 2 * 16;
       rope_pairs_bf16(x1, x2, cos + t, sin + t, 32, o, o + 32);
@@ -211,15 +223,29 @@ void nothing(int64_t, int64_t) {}
 }  // namespace
 #endif
 
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu_mul) {
+#ifdef SWIFTSERVE_AMX_GEMM_TILES
+namespace {
+// bias [N] bf16 in the packed column order, or null
+const c10::BFloat16* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+              "amx_linear: bias must be bf16 [N], contiguous");
+  return bias->data_ptr<c10::BFloat16>();
+}
+}  // namespace
+#endif
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu_mul,
+                         c10::optional<torch::Tensor> bias) {
 #ifdef SWIFTSERVE_AMX_GEMM_TILES
   x = x.contiguous();
+  TORCH_CHECK(!(silu_mul && bias.has_value()), "amx_linear: no bias with silu_mul");
   auto out = torch::empty({x.size(0), silu_mul ? N / 2 : N}, x.options());
   auto* o = out.data_ptr<c10::BFloat16>();
   if (silu_mul)
     run(x, wp, N, SiluMul{o, N / 2}, nothing);
   else
-    run(x, wp, N, Plain{o, N}, nothing);
+    run(x, wp, N, Plain{o, N, bias_ptr(bias, N)}, nothing);
   return out;
 #else
   TORCH_CHECK(false, "amx_linear: built without AMX");
@@ -227,7 +253,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu
 }
 
 torch::Tensor amx_linear_rope(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor cos, torch::Tensor sin,
-                              int64_t rope_cols) {
+                              int64_t rope_cols, c10::optional<torch::Tensor> bias) {
 #ifdef SWIFTSERVE_AMX_GEMM_TILES
   x = x.contiguous();
   TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
@@ -237,7 +263,7 @@ torch::Tensor amx_linear_rope(torch::Tensor x, torch::Tensor wp, int64_t N, torc
   auto out = torch::empty({x.size(0), N}, x.options());
   run(x, wp, N,
       Rope{out.data_ptr<c10::BFloat16>(), N, rope_cols / 32, cos.data_ptr<c10::BFloat16>(),
-           sin.data_ptr<c10::BFloat16>()},
+           sin.data_ptr<c10::BFloat16>(), bias_ptr(bias, N)},
       nothing);
   return out;
 #else
@@ -259,7 +285,7 @@ torch::Tensor amx_linear_add_rms(torch::Tensor x, torch::Tensor wp, int64_t N, t
   const auto* w = weight.data_ptr<c10::BFloat16>();
   const float e = static_cast<float>(eps);
   // the product's rows, then residual += them and their norm, in place, while in L2
-  run(x, wp, N, Plain{o, N}, [&](int64_t m0, int64_t m1) {
+  run(x, wp, N, Plain{o, N, nullptr}, [&](int64_t m0, int64_t m1) {
     for (int64_t r = m0; r < m1; ++r) add_rms_row_bf16(res + r * N, o + r * N, w, o + r * N, N, e);
   });
   return out;

@@ -25,8 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INT8_VNNI_MAX_ROWS") = INT8_VNNI_MAX_ROWS;
   m.def("write_kv_int8_", &write_kv_int8_, "quantize new K/V rows into an int8 cache (row: D int8 + f32 scale)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_linear runs here (AMX, OS permission)");
-  m.def("amx_linear", &amx_linear, "x @ W^T over an AMX-packed weight; silu_mul: SiLU(gate) * up of 16-column pairs");
-  m.def("amx_linear_rope", &amx_linear_rope, "q/k/v over an AMX-packed weight with the rotary of q and k heads");
+  m.def("amx_linear", &amx_linear, "x @ W^T (+ bias) over an AMX-packed weight; silu_mul: SiLU(gate) * up of 16-column pairs",
+        py::arg("x"), py::arg("wp"), py::arg("N"), py::arg("silu_mul"), py::arg("bias") = py::none());
+  m.def("amx_linear_rope", &amx_linear_rope, "q/k/v (+ bias) over an AMX-packed weight with the rotary of q and k heads",
+        py::arg("x"), py::arg("wp"), py::arg("N"), py::arg("cos"), py::arg("sin"), py::arg("rope_cols"),
+        py::arg("bias") = py::none());
   m.def("amx_linear_add_rms", &amx_linear_add_rms, "x @ W^T, then residual += it and its RMS norm (residual in place)");
   m.def("prompt_tiles_available", &prompt_tiles_available, "whether prompt_tiles runs here (AMX, OS permission)");
   m.def("prompt_tiles", &prompt_tiles, "tiled causal attention of prompt runs over the paged cache (AMX)");

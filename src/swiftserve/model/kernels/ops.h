@@ -39,8 +39,9 @@ bool prompt_tiles_available();
 void prompt_tiles(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables, torch::Tensor runs,
                   torch::Tensor out, double scale, int64_t window);
 bool amx_gemm_available();
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu_mul);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor wp, int64_t N, bool silu_mul,
+                         c10::optional<torch::Tensor> bias);
 torch::Tensor amx_linear_rope(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor cos, torch::Tensor sin,
-                              int64_t rope_cols);
+                              int64_t rope_cols, c10::optional<torch::Tensor> bias);
 torch::Tensor amx_linear_add_rms(torch::Tensor x, torch::Tensor wp, int64_t N, torch::Tensor residual,
                                  torch::Tensor weight, double eps);
