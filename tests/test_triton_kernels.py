@@ -18,8 +18,9 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from swiftserve.model.attention import AttentionMetadata  # noqa: E402
-from swiftserve.model.ops import TorchOps, TritonOps  # noqa: E402
+from swiftserve.model.ops import TorchOps  # noqa: E402
 from swiftserve.model.rotary import RotaryEmbedding  # noqa: E402
+from swiftserve.model.triton_ops import TritonOps  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 REF, TRI = TorchOps(), TritonOps()

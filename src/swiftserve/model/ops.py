@@ -2,8 +2,8 @@
 
 ``TorchOps`` is the PyTorch reference (any device): the math every other backend is tested
 against, and the path that must match transformers token for token in float32. ``CpuOps``
-routes the same calls to our C++ kernels (model/kernels). A GPU backend (Triton) implements
-the same methods. No model code branches on which backend it runs.
+routes the same calls to our C++ kernels (model/kernels). The GPU backend, ``TritonOps``
+(model/triton_ops.py), implements the same methods. No model code branches on which backend it runs.
 """
 
 from __future__ import annotations
@@ -344,58 +344,6 @@ class CpuOps(TorchOps):
         return layer_stack.run_stage_stack(self.cpp, model, weights, h, residual, rope, kv_caches, meta, last)
 
 
-class TritonOps(TorchOps):
-    """Triton kernels (model/triton_kernels.py): the GPU backend, also run on CPU in CI under
-    ``TRITON_INTERPRET=1``. GEMMs stay on PyTorch (cuBLAS). Every attention row, decode or
-    prompt, goes through one paged kernel reading positions on the device (graph-capturable).
-    """
-
-    name = "triton"
-    decode_mask = False
-
-    def __init__(self) -> None:
-        from swiftserve.model import triton_kernels
-
-        self.tk = triton_kernels
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.tk.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tk.rms_norm(x, weight, eps, residual), residual  # residual updated in place
-
-    def rotary_qk_(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
-    ) -> None:
-        self.tk.rotary_qk_(qkv, cos, sin, num_heads + num_kv_heads)
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.tk.silu_and_mul(gate_up)  # type: ignore[no-any-return]
-
-    def write_kv_(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        self.tk.write_kv_(k, v, k_cache, v_cache, slots)
-
-    def paged_decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        assert meta.decode_tables is not None and meta.decode_positions is not None
-        return self.tk.paged_rows(  # type: ignore[no-any-return]
-            q, k_cache, v_cache, meta.decode_tables, meta.decode_positions, q.shape[-1] ** -0.5, meta.window
-        )
-
-    def fused_rows(self, cfg: ModelConfig, dtype: torch.dtype) -> bool:
-        return True  # prompt rows through the same paged kernel: no per-prompt SDPA
-
-
 def select_ops(backend: str, device: torch.device, options: KernelOptions) -> TorchOps:
     """The backend for ``backend`` ("auto": the fastest available here), logged once."""
     if backend not in KERNEL_BACKENDS:
@@ -414,6 +362,8 @@ def select_ops(backend: str, device: torch.device, options: KernelOptions) -> To
     elif backend == "cpu":
         raise ValueError(f"kernel_backend='cpu' needs device cpu, got {device}")
     elif backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from swiftserve.model.triton_ops import TritonOps
+
         ops = TritonOps()
     logger.info("kernel backend: %s (%s)", ops.name, options)
     return ops

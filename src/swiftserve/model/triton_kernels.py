@@ -1,4 +1,5 @@
-"""Triton kernels behind TritonOps (model/ops.py): norms, SiLU-and-mul, rotary, KV write, paged attention.
+"""Triton kernels behind TritonOps (model/triton_ops.py): norms, SiLU-and-mul, rotary, KV write,
+paged attention.
 
 Every kernel loads in float32, computes in float32 and rounds where the PyTorch reference
 rounds (``.to(dtype)`` between steps), so bfloat16 results match the reference and CI can run
