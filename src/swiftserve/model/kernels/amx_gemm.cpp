@@ -1,11 +1,14 @@
-// AMX GEMM for prompt chunks, with the MLP's SiLU-and-mul in its epilogue (issue 24).
+// AMX GEMM for prompt chunks, with the layer's element-wise work in its epilogues (issue 24).
 //
-// Every bias-free bf16 linear of a small model takes this from 128 rows (packed_linear.py):
-// on SmolLM-135M's prompts it ran 1.1-1.2x faster end to end than oneDNN's packed GEMM plus a
-// separate SiLU-and-mul pass, which re-read the whole [T, 2I] gate/up output from L3 and wrote
-// [T, I] back. Here the gate/up weight is packed so that each 32-column block holds 16 gate
-// columns and the 16 up columns that go with them: a block's accumulator tiles leave the tile
-// registers straight as silu(gate) * up, and [T, 2I] is never written.
+// Every bf16 linear of a small model takes this from 128 rows (packed_linear.add_amx_copies):
+// on SmolLM-135M's prompts it ran 1.1-1.2x faster end to end than oneDNN's packed GEMM plus
+// separate element-wise passes, each of which re-read a [T, N] output from L3. Epilogues:
+// - SiLU-and-mul: the gate/up weight is packed so that each 32-column block holds 16 gate
+//   columns and the 16 up columns that go with them; [T, 2I] is never written.
+// - rotary: q/k/v packed so that a block holds 16 complete rotary pairs of a q or k head.
+// - residual add + RMSNorm (amx_linear_add_rms): over each thread's rows once its sweep is
+//   done, while they are still in its L2.
+// - a bias (q/k/v of Qwen2), added to the fp32 sums before the one rounding, as oneDNN does.
 //
 // Blocking: C is computed 32 rows x 32 columns at a time in four fp32 tiles (two A tiles of
 // rows x two B tiles of columns per 32-deep k step: the most reuse eight tiles allow). Threads
