@@ -126,7 +126,7 @@ def test_admission_counts_sequences_not_requests(server: Server) -> None:
 
     async def scenario() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as client:
-            long = {"prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True, "n": 2}
+            long = {"prompt": "x", "max_tokens": 120, "ignore_eos": True, "stream": True, "n": 2}
             async with client.stream("POST", f"{server.url}/v1/completions", json=long) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data:"):
@@ -134,7 +134,13 @@ def test_admission_counts_sequences_not_requests(server: Server) -> None:
                 three = {"prompt": ["a", "b", "c"], "max_tokens": 2}
                 return await client.post(f"{server.url}/v1/completions", json=three)
 
-    refused = asyncio.run(scenario())
+    # A race on a loaded machine (once in CI): the tiny model can finish the 120 tokens before
+    # the second request arrives, which is then rightly served. Up to three tries; any answer
+    # but a success or the refusal fails at once.
+    for _ in range(3):
+        refused = asyncio.run(scenario())
+        if refused.status_code != 200:
+            break
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
     assert refused.headers.get("Retry-After")
     assert_alive(server)
