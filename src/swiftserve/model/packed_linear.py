@@ -234,6 +234,9 @@ def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
         # its oneDNN copy would serve only steps the AMX copy takes first: never made
         linear.dual = linear.dual and linear.dual_rows < AMX_LINEAR_ROWS
         count += 1
+    if count:
+        logger.info("AMX: our GEMM's copies of %d linears for steps of %d+ rows (no oneDNN copies of them)",
+                    count, AMX_LINEAR_ROWS)  # fmt: skip
     return count
 
 
