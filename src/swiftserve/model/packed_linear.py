@@ -235,7 +235,7 @@ def add_amx_copies(model: nn.Module, kernels: ModuleType) -> int:
         linear.dual = linear.dual and linear.dual_rows < AMX_LINEAR_ROWS
         count += 1
     if count:
-        logger.info("AMX: our GEMM's copies of %d linears for steps of %d+ rows (no oneDNN copies of them)",
+        logger.info("AMX: copies for our GEMM replace those oneDNN copies for %d linears (steps of %d+ rows)",
                     count, AMX_LINEAR_ROWS)  # fmt: skip
     return count
 
